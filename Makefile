@@ -1,0 +1,25 @@
+# One entry point for people and CI: make install | test | lint | bench.
+PY ?= .venv/bin/python
+RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) $(shell find rust -name '*.rs' 2>/dev/null)
+
+.PHONY: install test lint bench
+
+install: .venv/.installed
+
+# maturin's PEP 517 backend builds the native module in release mode, editable or not.
+.venv/.installed: pyproject.toml $(RUST_SOURCES)
+	[ -x .venv/bin/python ] || python3 -m venv .venv
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+test: install
+	cargo test --release
+	$(PY) -m pytest -q
+
+lint:
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+
+bench: install
+	cargo bench
+	$(PY) benches/bench_api.py

@@ -1,0 +1,261 @@
+//! Bins: a two-level segregated-fit (TLSF) index of free blocks.
+//!
+//! ```text
+//!  first level: one bit per power of two        fl_bitmap  0b0..0101100
+//!                                                               │ │
+//!  second level: 32 bit per power of two,        sl_bitmap[fl] 0b0..1001  (sub-ranges of 1/32)
+//!  one intrusive list of free blocks per bit                    │   │
+//!                                                heads[bin] -> block -> block -> ...
+//! ```
+//! Sizes below 8 KiB map linearly (one bin per 256 B); above, each power of two splits into 32
+//! bins, so a bin spans at most 1/32 (3%) of its sizes. Finding a fitting block looks at the
+//! request's own bin, then jumps with two `trailing_zeros` to the next non-empty bin, whose every
+//! block fits: O(1), never a walk over the free blocks. Inside a bin a few entries are compared
+//! so that the smallest (then lowest-address) block of the bin usually wins, as in best fit.
+
+use super::block::{Block, NIL};
+
+const GRANULE_LOG2: u32 = 8;
+const SL_LOG2: u32 = 5;
+const SL_COUNT: usize = 1 << SL_LOG2;
+const LINEAR_LOG2: u32 = GRANULE_LOG2 + SL_LOG2;
+const FL_COUNT: usize = (64 - LINEAR_LOG2 + 1) as usize;
+pub const BIN_COUNT: usize = FL_COUNT * SL_COUNT;
+/// How many entries of a bin are compared to pick the best-fitting one.
+const SCAN_LIMIT: usize = 8;
+
+/// Index of the bin holding free blocks of `size` bytes.
+pub fn bin_index(size: u64) -> usize {
+    let (fl, sl) = mapping(size);
+    fl * SL_COUNT + sl
+}
+
+fn mapping(size: u64) -> (usize, usize) {
+    if size < (1 << LINEAR_LOG2) {
+        (0, (size >> GRANULE_LOG2) as usize)
+    } else {
+        let log2 = 63 - size.leading_zeros();
+        let sl = (size >> (log2 - SL_LOG2)) as usize & (SL_COUNT - 1);
+        ((log2 - LINEAR_LOG2 + 1) as usize, sl)
+    }
+}
+
+/// The free blocks of one (stream, pool kind), by size class.
+#[derive(Clone, Debug)]
+pub struct Bins {
+    fl_bitmap: u64,
+    sl_bitmap: [u32; FL_COUNT],
+    heads: Box<[u32]>,
+    len: usize,
+}
+
+impl Default for Bins {
+    fn default() -> Self {
+        Bins {
+            fl_bitmap: 0,
+            sl_bitmap: [0; FL_COUNT],
+            heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
+            len: 0,
+        }
+    }
+}
+
+impl Bins {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Pushes free block `id` onto the front of its bin (recently freed memory is warm).
+    pub fn insert(&mut self, blocks: &mut [Block], id: u32) {
+        let bin = bin_index(blocks[id as usize].size);
+        let head = self.heads[bin];
+        blocks[id as usize].bin_prev = NIL;
+        blocks[id as usize].bin_next = head;
+        if head != NIL {
+            blocks[head as usize].bin_prev = id;
+        }
+        self.heads[bin] = id;
+        self.fl_bitmap |= 1 << (bin / SL_COUNT);
+        self.sl_bitmap[bin / SL_COUNT] |= 1 << (bin % SL_COUNT);
+        self.len += 1;
+    }
+
+    /// Unlinks free block `id`; it must be in this structure.
+    pub fn remove(&mut self, blocks: &mut [Block], id: u32) {
+        let (prev, next, size) = {
+            let b = &blocks[id as usize];
+            (b.bin_prev, b.bin_next, b.size)
+        };
+        if next != NIL {
+            blocks[next as usize].bin_prev = prev;
+        }
+        if prev != NIL {
+            blocks[prev as usize].bin_next = next;
+        } else {
+            let bin = bin_index(size);
+            self.heads[bin] = next;
+            if next == NIL {
+                let fl = bin / SL_COUNT;
+                self.sl_bitmap[fl] &= !(1 << (bin % SL_COUNT));
+                if self.sl_bitmap[fl] == 0 {
+                    self.fl_bitmap &= !(1 << fl);
+                }
+            }
+        }
+        blocks[id as usize].bin_prev = NIL;
+        blocks[id as usize].bin_next = NIL;
+        self.len -= 1;
+    }
+
+    /// A free block of at least `size` bytes and at most `max_size`, close to the smallest such.
+    pub fn find(&self, blocks: &[Block], size: u64, max_size: u64) -> Option<u32> {
+        let own = bin_index(size);
+        if let Some(id) = self.best_in_bin(blocks, own, size) {
+            return Some(id).filter(|&id| blocks[id as usize].size <= max_size);
+        }
+        let bin = self.next_non_empty_bin(own + 1)?;
+        let id = self.best_in_bin(blocks, bin, size)?;
+        Some(id).filter(|&id| blocks[id as usize].size <= max_size)
+    }
+
+    /// The first non-empty bin at index `from` or above.
+    fn next_non_empty_bin(&self, from: usize) -> Option<usize> {
+        if from >= BIN_COUNT {
+            return None;
+        }
+        let fl = from / SL_COUNT;
+        let sl_map = self.sl_bitmap[fl] & (u32::MAX << (from % SL_COUNT));
+        if sl_map != 0 {
+            return Some(fl * SL_COUNT + sl_map.trailing_zeros() as usize);
+        }
+        let fl_map = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
+        if fl_map == 0 {
+            return None;
+        }
+        let fl = fl_map.trailing_zeros() as usize;
+        Some(fl * SL_COUNT + self.sl_bitmap[fl].trailing_zeros() as usize)
+    }
+
+    fn best_in_bin(&self, blocks: &[Block], bin: usize, size: u64) -> Option<u32> {
+        let mut best: Option<(u64, u64, u32)> = None;
+        let mut id = self.heads[bin];
+        for _ in 0..SCAN_LIMIT {
+            if id == NIL {
+                break;
+            }
+            let b = &blocks[id as usize];
+            if b.size >= size && best.is_none_or(|(s, a, _)| (b.size, b.address) < (s, a)) {
+                best = Some((b.size, b.address, id));
+            }
+            id = b.bin_next;
+        }
+        best.map(|(_, _, id)| id)
+    }
+
+    /// Every block in every bin, with the bin it is linked in; and whether the bitmaps agree
+    /// with the lists.
+    pub fn check(&self, blocks: &[Block]) -> Result<Vec<u32>, String> {
+        let mut all = Vec::with_capacity(self.len);
+        for bin in 0..BIN_COUNT {
+            let (fl, sl) = (bin / SL_COUNT, bin % SL_COUNT);
+            let bit_set = self.sl_bitmap[fl] & (1 << sl) != 0;
+            let mut cur = self.heads[bin];
+            if bit_set != (cur != NIL) {
+                return Err(format!("bin {bin}: bitmap says non-empty={bit_set}"));
+            }
+            let mut prev = NIL;
+            while cur != NIL {
+                let b = &blocks[cur as usize];
+                if bin_index(b.size) != bin {
+                    return Err(format!("block {cur} of size {} sits in bin {bin}", b.size));
+                }
+                if b.bin_prev != prev {
+                    return Err(format!("block {cur}: broken back link in bin {bin}"));
+                }
+                all.push(cur);
+                if all.len() > self.len {
+                    return Err(format!("bins hold more than their count {}", self.len));
+                }
+                prev = cur;
+                cur = b.bin_next;
+            }
+            if (self.fl_bitmap & (1 << fl) != 0) != (self.sl_bitmap[fl] != 0) {
+                return Err(format!("first-level bitmap disagrees at {fl}"));
+            }
+        }
+        if all.len() != self.len {
+            return Err(format!("bins count {} but hold {}", self.len, all.len()));
+        }
+        Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::block::BlockState;
+
+    fn block(address: u64, size: u64) -> Block {
+        Block {
+            address,
+            size,
+            requested: 0,
+            segment: 0,
+            prev: NIL,
+            next: NIL,
+            bin_prev: NIL,
+            bin_next: NIL,
+            stream: 0,
+            generation: 0,
+            state: BlockState::Free,
+        }
+    }
+
+    #[test]
+    fn mapping_is_monotonic_and_tight() {
+        let sizes: Vec<u64> = (256..65536).chain((65536..1u64 << 40).step_by(1 << 20)).collect();
+        for pair in sizes.windows(2) {
+            assert!(bin_index(pair[0]) <= bin_index(pair[1]));
+        }
+        for &size in &sizes[1..] {
+            // Bins are at most 1/32 of their size wide.
+            let bin = bin_index(size);
+            assert_eq!(bin_index(size + size / 64), bin.max(bin_index(size + size / 64)));
+        }
+        assert_eq!(bin_index(256), 1);
+        assert_eq!(bin_index(8191), 31);
+        assert_eq!(bin_index(8192), 32);
+        assert!(bin_index(u64::MAX) < BIN_COUNT);
+    }
+
+    #[test]
+    fn finds_best_fit_and_respects_bounds() {
+        let mut blocks = vec![block(0, 4096), block(10_000, 1 << 20), block(1 << 30, 3 << 20)];
+        let mut bins = Bins::default();
+        for id in 0..3 {
+            bins.insert(&mut blocks, id);
+        }
+        assert_eq!(bins.find(&blocks, 512, u64::MAX), Some(0));
+        assert_eq!(bins.find(&blocks, 5000, u64::MAX), Some(1));
+        assert_eq!(bins.find(&blocks, 2 << 20, u64::MAX), Some(2));
+        assert_eq!(bins.find(&blocks, 4 << 20, u64::MAX), None);
+        assert_eq!(bins.find(&blocks, 2 << 20, 2 << 20), None);
+        bins.remove(&mut blocks, 1);
+        assert_eq!(bins.find(&blocks, 5000, u64::MAX), Some(2));
+        assert_eq!(bins.check(&blocks).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn prefers_smaller_then_lower_address_in_a_bin() {
+        let mut blocks = vec![block(3 << 20, 1 << 20), block(1 << 20, 1 << 20), block(0, (1 << 20) + 4096)];
+        let mut bins = Bins::default();
+        for id in 0..3 {
+            bins.insert(&mut blocks, id);
+        }
+        assert_eq!(bins.find(&blocks, 1 << 20, u64::MAX), Some(1));
+    }
+}

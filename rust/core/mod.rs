@@ -1,0 +1,16 @@
+//! The allocation algorithm: size classes, bins, the block slab, segments and statistics.
+//!
+//! Everything here is safe Rust over addresses and sizes; no device, FFI or Python types.
+#![forbid(unsafe_code)]
+
+mod bins;
+mod block;
+mod heap;
+mod rules;
+mod stats;
+
+pub use bins::{bin_index, Bins, BIN_COUNT};
+pub use block::{Block, BlockState, Handle, NIL};
+pub use heap::{BlockInfo, Heap, HeapError, SegmentId, SegmentInfo};
+pub use rules::{PoolKind, Rules};
+pub use stats::{Metric, Stat, StatType, Stats};

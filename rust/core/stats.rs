@@ -1,0 +1,153 @@
+//! Statistics with PyTorch's names and meanings, updated where the state changes.
+
+use super::rules::PoolKind;
+
+/// One counter: PyTorch's `current`, `peak`, `allocated` (sum of increases), `freed`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    pub current: u64,
+    pub peak: u64,
+    pub allocated: u64,
+    pub freed: u64,
+}
+
+impl Stat {
+    fn increase(&mut self, amount: u64) {
+        self.current += amount;
+        self.allocated += amount;
+        self.peak = self.peak.max(self.current);
+    }
+
+    fn decrease(&mut self, amount: u64) {
+        debug_assert!(self.current >= amount, "statistic would go negative");
+        self.current -= amount;
+        self.freed += amount;
+    }
+}
+
+/// The metrics of `torch.cuda.memory_stats`, in its key order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Metric {
+    Allocation,
+    Segment,
+    Active,
+    InactiveSplit,
+    AllocatedBytes,
+    ReservedBytes,
+    ActiveBytes,
+    InactiveSplitBytes,
+    RequestedBytes,
+}
+
+impl Metric {
+    pub const ALL: [Metric; 9] = [
+        Metric::Allocation,
+        Metric::Segment,
+        Metric::Active,
+        Metric::InactiveSplit,
+        Metric::AllocatedBytes,
+        Metric::ReservedBytes,
+        Metric::ActiveBytes,
+        Metric::InactiveSplitBytes,
+        Metric::RequestedBytes,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Allocation => "allocation",
+            Metric::Segment => "segment",
+            Metric::Active => "active",
+            Metric::InactiveSplit => "inactive_split",
+            Metric::AllocatedBytes => "allocated_bytes",
+            Metric::ReservedBytes => "reserved_bytes",
+            Metric::ActiveBytes => "active_bytes",
+            Metric::InactiveSplitBytes => "inactive_split_bytes",
+            Metric::RequestedBytes => "requested_bytes",
+        }
+    }
+}
+
+/// PyTorch's three views of every metric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatType {
+    All,
+    LargePool,
+    SmallPool,
+}
+
+impl StatType {
+    pub const ALL: [StatType; 3] = [StatType::All, StatType::LargePool, StatType::SmallPool];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StatType::All => "all",
+            StatType::LargePool => "large_pool",
+            StatType::SmallPool => "small_pool",
+        }
+    }
+
+    fn of(kind: PoolKind) -> StatType {
+        match kind {
+            PoolKind::Small => StatType::SmallPool,
+            PoolKind::Large => StatType::LargePool,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    table: [[Stat; 3]; 9],
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_device_alloc: u64,
+    pub num_device_free: u64,
+}
+
+impl Stats {
+    pub fn get(&self, metric: Metric, of: StatType) -> Stat {
+        self.table[metric as usize][of as usize]
+    }
+
+    pub fn increase(&mut self, metric: Metric, kind: PoolKind, amount: u64) {
+        let row = &mut self.table[metric as usize];
+        row[StatType::All as usize].increase(amount);
+        row[StatType::of(kind) as usize].increase(amount);
+    }
+
+    pub fn decrease(&mut self, metric: Metric, kind: PoolKind, amount: u64) {
+        let row = &mut self.table[metric as usize];
+        row[StatType::All as usize].decrease(amount);
+        row[StatType::of(kind) as usize].decrease(amount);
+    }
+
+    pub fn reset_peaks(&mut self) {
+        for stat in self.table.iter_mut().flatten() {
+            stat.peak = stat.current;
+        }
+    }
+
+    /// Every counter under its PyTorch key, e.g. `("allocated_bytes.all.current", 512)`.
+    pub fn entries(&self) -> Vec<(String, u64)> {
+        let mut out = Vec::with_capacity(9 * 3 * 4 + 4);
+        for metric in Metric::ALL {
+            for of in StatType::ALL {
+                let s = self.get(metric, of);
+                let prefix = format!("{}.{}", metric.name(), of.name());
+                out.push((format!("{prefix}.current"), s.current));
+                out.push((format!("{prefix}.peak"), s.peak));
+                out.push((format!("{prefix}.allocated"), s.allocated));
+                out.push((format!("{prefix}.freed"), s.freed));
+            }
+        }
+        out.push(("num_alloc_retries".into(), self.num_alloc_retries));
+        out.push(("num_ooms".into(), self.num_ooms));
+        out.push(("num_device_alloc".into(), self.num_device_alloc));
+        out.push(("num_device_free".into(), self.num_device_free));
+        out
+    }
+
+    /// The `current` values only, for comparing against a recount.
+    pub fn currents(&self) -> [[u64; 3]; 9] {
+        self.table.map(|row| row.map(|s| s.current))
+    }
+}

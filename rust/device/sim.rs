@@ -1,0 +1,67 @@
+//! `sim`: a device with address space but no memory, for replaying and fuzzing huge GPUs.
+
+use super::{check_capacity, Device, DeviceError, MemoryInfo};
+use std::collections::HashMap;
+
+/// Addresses start high and never repeat, so a stale address can never alias a live one.
+const BASE_ADDRESS: u64 = 0x7000_0000_0000;
+const ALIGNMENT: u64 = 2 << 20;
+
+#[derive(Debug)]
+pub struct Sim {
+    capacity: u64,
+    held: u64,
+    next_address: u64,
+    live: HashMap<u64, u64>,
+}
+
+impl Sim {
+    pub fn new(capacity: u64) -> Self {
+        Sim { capacity, held: 0, next_address: BASE_ADDRESS, live: HashMap::new() }
+    }
+}
+
+impl Device for Sim {
+    fn name(&self) -> &str {
+        "sim"
+    }
+
+    fn allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
+        check_capacity(Some(self.capacity), self.held, size)?;
+        let address = self.next_address;
+        let span = size.div_ceil(ALIGNMENT).max(1) * ALIGNMENT;
+        self.next_address = address.checked_add(span).ok_or(DeviceError::OutOfMemory { requested: size })?;
+        self.held += size;
+        self.live.insert(address, size);
+        Ok(address)
+    }
+
+    fn release(&mut self, address: u64) -> Result<(), DeviceError> {
+        let size = self.live.remove(&address).ok_or(DeviceError::InvalidAddress(address))?;
+        self.held -= size;
+        Ok(())
+    }
+
+    fn memory_info(&self) -> MemoryInfo {
+        MemoryInfo { total: Some(self.capacity), held: self.held }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_and_release() {
+        let mut sim = Sim::new(80 << 30);
+        let a = sim.allocate(60 << 30).unwrap();
+        assert_eq!(sim.allocate(30 << 30), Err(DeviceError::OutOfMemory { requested: 30 << 30 }));
+        let b = sim.allocate(20 << 30).unwrap();
+        assert!(b >= a + (60 << 30));
+        assert_eq!(sim.release(a + 1), Err(DeviceError::InvalidAddress(a + 1)));
+        sim.release(a).unwrap();
+        assert_eq!(sim.release(a), Err(DeviceError::InvalidAddress(a)));
+        assert_eq!(sim.memory_info().held, 20 << 30);
+        assert!(sim.read(b, &mut [0u8; 4]).is_err());
+    }
+}

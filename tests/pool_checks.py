@@ -1,0 +1,164 @@
+"""Shared by the pool tests: PyTorch's size rules, data patterns, and a whole-pool consistency check."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+STAT_NAMES = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+POOL_KINDS = ("all", "large_pool", "small_pool")
+FIELDS = ("current", "peak", "allocated", "freed")
+
+
+def rounded(size: int) -> int:
+    """The block size PyTorch's rounding asks for: a multiple of 512 B, at least 512 B."""
+    return max(512, -(-size // 512) * 512)
+
+
+def is_small(size: int) -> bool:
+    return rounded(size) <= MiB
+
+
+def segment_size(size: int) -> int:
+    """The segment PyTorch's rules obtain from the device for a request that fits no cached block."""
+    block = rounded(size)
+    if block <= MiB:
+        return 2 * MiB
+    if block < 10 * MiB:
+        return 20 * MiB
+    return -(-block // (2 * MiB)) * 2 * MiB
+
+
+def _pattern(size: int, tag: int, span: int) -> list[tuple[int, bytes]]:
+    """Bytes unique to ``tag`` covering the whole allocation, or its first and last ``span``."""
+    rng = random.Random(tag)
+    if size <= 2 * span:
+        return [(0, rng.randbytes(size))]
+    return [(0, rng.randbytes(span)), (size - span, rng.randbytes(span))]
+
+
+def stamp(ptr, tag: int, span: int = 4 * KiB) -> None:
+    for offset, data in _pattern(ptr.size, tag, span):
+        ptr.copy_from_host(data, offset)
+
+
+def verify(ptr, tag: int, span: int = 4 * KiB) -> None:
+    contents = ptr.copy_to_host()
+    assert len(contents) == ptr.size
+    for offset, data in _pattern(ptr.size, tag, span):
+        assert contents[offset : offset + len(data)] == data, f"allocation {tag} overwritten near {offset}"
+
+
+def check_pool(pool, live: Iterable) -> None:
+    """Asserts that the pool's own check, its snapshot and its statistics agree with ``live``."""
+    pool.check_invariants()
+    live = [ptr for ptr in live if ptr.size > 0]
+    segments = pool.snapshot()["segments"]
+    _check_segments(segments)
+    _check_live(segments, live)
+    _check_stats(pool, segments, live)
+
+
+def drain(pool, live: Iterable) -> None:
+    """Frees every live allocation, empties the cache and asserts the device got everything back."""
+    for ptr in live:
+        ptr.free()
+    check_pool(pool, [])
+    pool.empty_cache()
+    assert pool.memory_reserved() == 0
+    assert pool.device_memory_held() == 0
+
+
+def _check_segments(segments: list[dict]) -> None:
+    end_of_previous = 0
+    for segment in sorted(segments, key=lambda s: s["address"]):
+        assert segment["address"] >= end_of_previous, "segments overlap"
+        end_of_previous = segment["address"] + segment["total_size"]
+        assert segment["segment_type"] in ("large", "small")
+        if segment["segment_type"] == "small":
+            assert segment["total_size"] == 2 * MiB
+        blocks = sorted(segment["blocks"], key=lambda b: b["address"])
+        address = segment["address"]
+        for block in blocks:
+            assert block["address"] == address, f"blocks do not tile segment {segment['address']:#x}"
+            address += block["size"]
+        assert address == end_of_previous, f"blocks do not tile segment {segment['address']:#x}"
+        in_use = [b for b in blocks if b["state"] == "active_allocated"]
+        assert segment["allocated_size"] == sum(b["size"] for b in in_use)
+        assert segment["requested_size"] == sum(b["requested_size"] for b in in_use)
+
+
+def _check_live(segments: list[dict], live: list) -> None:
+    in_use = {
+        block["address"]: (block, segment)
+        for segment in segments
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    }
+    assert len(in_use) == len(live), f"{len(in_use)} blocks in use, {len(live)} live allocations"
+    for ptr in live:
+        assert not ptr.freed
+        assert ptr.ptr % 512 == 0, f"{ptr.ptr:#x} is not 512-byte aligned"
+        block, segment = in_use[ptr.ptr]
+        assert block["requested_size"] == ptr.size
+        assert block["size"] >= rounded(ptr.size)
+        assert segment["address"] <= ptr.ptr
+        assert ptr.ptr + rounded(ptr.size) <= segment["address"] + segment["total_size"]
+        assert segment["segment_type"] == ("small" if is_small(ptr.size) else "large")
+    by_address = sorted(live, key=lambda p: p.ptr)
+    for first, second in zip(by_address, by_address[1:]):
+        assert first.ptr + rounded(first.size) <= second.ptr, "live allocations overlap"
+
+
+def _check_stats(pool, segments: list[dict], live: list) -> None:
+    stats = pool.memory_stats()
+    assert stats["requested_bytes.all.current"] == sum(ptr.size for ptr in live)
+    assert stats["allocation.all.current"] == len(live)
+    allocated = sum(s["allocated_size"] for s in segments)
+    assert pool.memory_allocated() == allocated == stats["allocated_bytes.all.current"]
+    assert allocated >= sum(rounded(ptr.size) for ptr in live)
+    # Without streams nothing waits on an event, so every active block is allocated.
+    assert stats["active_bytes.all.current"] == allocated
+    reserved = sum(s["total_size"] for s in segments)
+    assert pool.memory_reserved() == reserved == pool.device_memory_held()
+    assert stats["segment.all.current"] == len(segments)
+    for kind in ("large", "small"):
+        of_kind = [s for s in segments if s["segment_type"] == kind]
+        assert stats[f"reserved_bytes.{kind}_pool.current"] == sum(s["total_size"] for s in of_kind)
+    # A free block is "inactive split" (non-releasable) when it shares its segment with others.
+    split_free = [
+        b["size"]
+        for s in segments
+        if len(s["blocks"]) > 1
+        for b in s["blocks"]
+        if b["state"] == "inactive"
+    ]
+    assert stats["inactive_split_bytes.all.current"] == sum(split_free)
+    assert stats["inactive_split.all.current"] == len(split_free)
+    _check_counters(stats)
+
+
+def _check_counters(stats: dict[str, int]) -> None:
+    for name in STAT_NAMES:
+        for kind in POOL_KINDS:
+            key = f"{name}.{kind}."
+            assert stats[key + "allocated"] - stats[key + "freed"] == stats[key + "current"], key
+            assert stats[key + "peak"] >= stats[key + "current"], key
+        for field in ("current", "allocated", "freed"):
+            parts = stats[f"{name}.large_pool.{field}"] + stats[f"{name}.small_pool.{field}"]
+            assert stats[f"{name}.all.{field}"] == parts, f"{name}.*.{field}"
+        large, small = stats[f"{name}.large_pool.peak"], stats[f"{name}.small_pool.peak"]
+        assert max(large, small) <= stats[f"{name}.all.peak"] <= large + small, f"{name}.*.peak"

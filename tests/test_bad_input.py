@@ -1,0 +1,156 @@
+"""Misuse of the Python API: clear exceptions, and the pool stays intact afterwards."""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import numpy as np
+import pytest
+
+import gpupool
+from pool_checks import MiB, check_pool
+
+
+@pytest.fixture
+def pool():
+    return gpupool.Pool("host")
+
+
+def test_negative_size_is_a_value_error(pool):
+    with pytest.raises(ValueError):
+        pool.alloc(-1)
+    check_pool(pool, [])
+
+
+@pytest.mark.parametrize("size", [1.5, "x", None, b"12"])
+def test_non_integer_size_is_a_type_error(pool, size):
+    with pytest.raises(TypeError):
+        pool.alloc(size)
+    check_pool(pool, [])
+
+
+@pytest.mark.parametrize("size", [2**62 + 1, 2**64, 2**70])
+def test_absurd_size_is_a_value_error(pool, size):
+    with pytest.raises(ValueError):
+        pool.alloc(size)
+    check_pool(pool, [])
+
+
+def test_zero_size_uses_no_memory(pool):
+    before = pool.memory_stats()
+    ptr = pool.alloc(0)
+    assert ptr.size == 0 and not ptr.freed
+    assert pool.memory_stats() == before
+    ptr.free()
+    assert ptr.freed
+    assert pool.memory_stats() == before
+
+
+def test_double_free_is_detected_and_harmless(pool):
+    ptr = pool.alloc(1000)
+    other = pool.alloc(1000)
+    ptr.free()
+    with pytest.raises(ValueError, match="double free"):
+        ptr.free()
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(ptr)
+    check_pool(pool, [other])
+    assert pool.alloc(1000).size == 1000
+
+
+def test_freeing_another_pools_pointer_is_refused(pool):
+    other_pool = gpupool.Pool("host")
+    ptr = other_pool.alloc(4096)
+    with pytest.raises(ValueError):
+        pool.free(ptr)
+    assert not ptr.freed
+    check_pool(pool, [])
+    check_pool(other_pool, [ptr])
+
+
+def test_freed_memory_cannot_be_read(pool):
+    ptr = pool.alloc(4096)
+    ptr.free()
+    with pytest.raises(ValueError):
+        ptr.copy_to_host()
+    with pytest.raises(ValueError):
+        ptr.copy_from_host(b"abc")
+    with pytest.raises(ValueError):
+        np.asarray(ptr)
+
+
+@pytest.mark.parametrize(("length", "offset"), [(4097, 0), (1, 4096), (4096, 1), (1, -1)])
+def test_writes_past_the_allocation_are_refused(pool, length, offset):
+    ptr = pool.alloc(4096)
+    ptr.copy_from_host(b"\x07" * 4096)
+    with pytest.raises(ValueError):
+        ptr.copy_from_host(b"\x01" * length, offset)
+    assert ptr.copy_to_host() == b"\x07" * 4096
+
+
+def test_unknown_device_is_named():
+    with pytest.raises(ValueError, match="tpu"):
+        gpupool.Pool("tpu")
+    with pytest.raises(ValueError, match="tpu"):
+        gpupool.Device("tpu")
+
+
+def test_sim_needs_a_capacity():
+    with pytest.raises(ValueError, match="capacity"):
+        gpupool.Pool("sim")
+
+
+@pytest.mark.parametrize("capacity", ["12 parsecs", "", "-1GiB", "GiB", -1])
+def test_bad_capacity_is_named(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        gpupool.Pool("sim", capacity=capacity)
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ValueError, match="no_such_knob"):
+        gpupool.Pool("host", config="no_such_knob:1")
+
+
+def test_pointer_keeps_its_pool_alive():
+    pool = gpupool.Pool("host")
+    ptr = pool.alloc(1000)
+    ptr.copy_from_host(b"\x2a" * 1000)
+    del pool
+    gc.collect()
+    assert ptr.copy_to_host() == b"\x2a" * 1000
+    ptr.free()
+    assert ptr.freed
+
+
+def test_context_manager_frees(pool):
+    with pool.alloc(4096) as ptr:
+        check_pool(pool, [ptr])
+    assert ptr.freed
+    check_pool(pool, [])
+
+
+def test_context_manager_tolerates_an_explicit_free(pool):
+    with pool.alloc(4096) as ptr:
+        ptr.free()
+    check_pool(pool, [])
+
+
+def test_dropping_the_last_reference_frees(pool):
+    pool.alloc(4096)
+    gc.collect()
+    check_pool(pool, [])
+    assert pool.memory_stats()["allocation.all.freed"] == 1
+
+
+def test_out_of_memory_message_explains_the_state():
+    pool = gpupool.Pool("sim", capacity=64 * MiB)
+    held = pool.alloc(30 * MiB)
+    with pytest.raises(gpupool.OutOfMemoryError) as caught:
+        pool.alloc(100 * MiB)
+    assert isinstance(caught.value, MemoryError)
+    message = str(caught.value).lower()
+    assert re.search(r"104857600|100(\.0+)? ?mib", message), message
+    for words in ("capacity", "free", "allocated", "reserved", "largest free block", "fragmentation"):
+        assert words in message, f"{words!r} missing from: {message}"
+    check_pool(pool, [held])

@@ -1,0 +1,65 @@
+"""Pools whose device refuses segments on purpose: failures surface as OutOfMemoryError, nothing leaks."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+import gpupool
+from pool_checks import MiB, check_pool, drain
+
+SIZES = st.one_of(st.integers(1, 4096), st.integers(1, MiB), st.integers(1, 24 * MiB))
+# ("alloc", size) or ("free", which live allocation, modulo how many there are).
+PROGRAMS = st.lists(
+    st.one_of(st.tuples(st.just("alloc"), SIZES), st.tuples(st.just("free"), st.integers(0, 1000))),
+    max_size=50,
+)
+DEVICES = st.sampled_from([("host", None), ("sim", "64GiB")])
+
+
+def run_program(pool, program) -> int:
+    """Runs the program, checking the pool after every step; returns how many allocations failed."""
+    live = []
+    failures = 0
+    for op, argument in program:
+        if op == "alloc":
+            try:
+                live.append(pool.alloc(argument))
+            except gpupool.OutOfMemoryError:
+                failures += 1
+        elif live:
+            live.pop(argument % len(live)).free()
+        check_pool(pool, live)
+    drain(pool, live)
+    return failures
+
+
+@given(device=DEVICES, seed=st.integers(0, 2**32 - 1), program=PROGRAMS)
+def test_random_refusals_raise_out_of_memory(device, seed, program):
+    kind, capacity = device
+    pool = gpupool.Pool(kind, capacity=capacity, inject_faults={"probability": 0.3, "seed": seed})
+    failures = run_program(pool, program)
+    stats = pool.memory_stats()
+    assert stats["num_ooms"] == failures
+    # Each failure is a refusal followed by a refused retry.
+    assert stats["num_alloc_retries"] >= failures
+
+
+@given(device=DEVICES, nth=st.integers(1, 6), program=PROGRAMS)
+def test_one_refusal_is_absorbed_by_the_retry(device, nth, program):
+    kind, capacity = device
+    pool = gpupool.Pool(kind, capacity=capacity, inject_faults={"nth": nth})
+    assert run_program(pool, program) == 0
+    stats = pool.memory_stats()
+    assert stats["num_ooms"] == 0
+    # The nth device allocation was attempted iff the pool obtained at least nth segments, the
+    # refused one retried successfully among them.
+    refused = stats["num_device_alloc"] >= nth
+    assert stats["num_alloc_retries"] == int(refused)
+
+
+@pytest.mark.parametrize("faults", [{"nth": 1, "bogus": 2}, {"probability": 1.5, "seed": 1}, {"nth": 0}])
+def test_bad_fault_settings_are_rejected(faults):
+    with pytest.raises(ValueError):
+        gpupool.Pool("host", inject_faults=faults)

@@ -1,0 +1,96 @@
+"""Random alloc/free/empty_cache programs on host and sim pools, checked against a shadow model."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
+
+import gpupool
+from pool_checks import MiB, check_pool, drain, segment_size, stamp, verify
+
+# Mostly small requests, as in real workloads, with enough large ones to fill the capacity.
+SIZES = st.one_of(st.integers(1, 4096), st.integers(1, MiB), st.integers(1, 64 * MiB))
+
+
+@dataclass
+class Allocation:
+    ptr: gpupool.DevicePtr
+    tag: int
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """One pool and the allocations a program holds on it; subclasses choose the device."""
+
+    device = ""
+    capacity = 0
+    allocations = Bundle("allocations")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = gpupool.Pool(self.device, capacity=self.capacity)
+        self.live: dict[int, Allocation] = {}
+        self.tags = itertools.count()
+        # Only host memory can be read and written from Python.
+        self.holds_data = self.device == "host"
+
+    @rule(target=allocations, size=SIZES)
+    def alloc(self, size: int):
+        ooms = self.pool.memory_stats()["num_ooms"]
+        try:
+            ptr = self.pool.alloc(size)
+        except gpupool.OutOfMemoryError:
+            # After the failed retry no cached segment is left to release, so refusing was right
+            # only if a new segment really does not fit.
+            assert self.pool.memory_reserved() + segment_size(size) > self.capacity
+            assert self.pool.memory_stats()["num_ooms"] == ooms + 1
+            return multiple()
+        assert ptr.size == size and ptr.device == self.device
+        allocation = Allocation(ptr, next(self.tags))
+        if self.holds_data:
+            stamp(ptr, allocation.tag)
+        self.live[allocation.tag] = allocation
+        return allocation
+
+    @rule(allocation=consumes(allocations), through_pool=st.booleans())
+    def free(self, allocation: Allocation, through_pool: bool) -> None:
+        if self.holds_data:
+            verify(allocation.ptr, allocation.tag)
+        if through_pool:
+            self.pool.free(allocation.ptr)
+        else:
+            allocation.ptr.free()
+        assert allocation.ptr.freed
+        del self.live[allocation.tag]
+
+    @rule()
+    def empty_cache(self) -> None:
+        self.pool.empty_cache()
+        for segment in self.pool.snapshot()["segments"]:
+            assert segment["allocated_size"] > 0, "empty_cache kept a fully free segment"
+
+    @invariant()
+    def consistent(self) -> None:
+        check_pool(self.pool, [a.ptr for a in self.live.values()])
+
+    def teardown(self) -> None:
+        drain(self.pool, [a.ptr for a in self.live.values()])
+
+
+class HostPoolMachine(PoolMachine):
+    device = "host"
+    capacity = 256 * MiB
+
+
+class SimPoolMachine(PoolMachine):
+    device = "sim"
+    capacity = 512 * MiB
+
+
+TestHostPool = HostPoolMachine.TestCase
+TestHostPool.settings = settings(max_examples=40, stateful_step_count=40)
+TestSimPool = SimPoolMachine.TestCase
+TestSimPool.settings = settings(max_examples=80, stateful_step_count=60)
