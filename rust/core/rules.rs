@@ -101,7 +101,9 @@ impl Rules {
         let remaining = block_size - rounded;
         match kind {
             PoolKind::Small => remaining >= self.small_min_remainder,
-            PoolKind::Large => rounded < self.max_split_size && remaining > self.large_min_remainder,
+            PoolKind::Large => {
+                rounded < self.max_split_size && remaining > self.large_min_remainder
+            }
         }
     }
 

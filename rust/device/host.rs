@@ -16,13 +16,23 @@ pub struct Host {
 
 impl Host {
     pub fn new(capacity: Option<u64>) -> Self {
-        Host { capacity, held: 0, live: BTreeMap::new() }
+        Host {
+            capacity,
+            held: 0,
+            live: BTreeMap::new(),
+        }
     }
 
     /// Checks that `[address, address + len)` lies inside one live allocation.
     fn check_range(&self, address: u64, len: usize) -> Result<(), DeviceError> {
-        let (&base, layout) = self.live.range(..=address).next_back().ok_or(DeviceError::InvalidAddress(address))?;
-        let end = address.checked_add(len as u64).ok_or(DeviceError::InvalidAddress(address))?;
+        let (&base, layout) = self
+            .live
+            .range(..=address)
+            .next_back()
+            .ok_or(DeviceError::InvalidAddress(address))?;
+        let end = address
+            .checked_add(len as u64)
+            .ok_or(DeviceError::InvalidAddress(address))?;
         if end > base + layout.size() as u64 {
             return Err(DeviceError::InvalidAddress(address));
         }
@@ -52,7 +62,10 @@ impl Device for Host {
     }
 
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
-        let layout = self.live.remove(&address).ok_or(DeviceError::InvalidAddress(address))?;
+        let layout = self
+            .live
+            .remove(&address)
+            .ok_or(DeviceError::InvalidAddress(address))?;
         // SAFETY: `address` came from `alloc::alloc(layout)` and was removed from `live`, so it
         // is deallocated exactly once.
         #[allow(unsafe_code)]
@@ -64,7 +77,10 @@ impl Device for Host {
     }
 
     fn memory_info(&self) -> MemoryInfo {
-        MemoryInfo { total: self.capacity, held: self.held }
+        MemoryInfo {
+            total: self.capacity,
+            held: self.held,
+        }
     }
 
     fn host_accessible(&self) -> bool {
@@ -120,7 +136,10 @@ mod tests {
         assert_eq!(&out, b"gpupool");
         assert!(host.write(a + 8190, b"xyz").is_err());
         assert!(host.read(a + 8192 + PAGE as u64 * 100, &mut out).is_err());
-        assert_eq!(host.allocate(2 << 20), Err(DeviceError::OutOfMemory { requested: 2 << 20 }));
+        assert_eq!(
+            host.allocate(2 << 20),
+            Err(DeviceError::OutOfMemory { requested: 2 << 20 })
+        );
         host.release(a).unwrap();
         assert!(host.release(a).is_err());
         assert_eq!(host.memory_info().held, 0);

@@ -31,7 +31,9 @@ impl fmt::Display for DeviceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DeviceError::OutOfMemory { requested } => write!(f, "device refused {requested} bytes"),
-            DeviceError::InvalidAddress(a) => write!(f, "address {a:#x} is not a live device allocation"),
+            DeviceError::InvalidAddress(a) => {
+                write!(f, "address {a:#x} is not a live device allocation")
+            }
             DeviceError::Unsupported(what) => write!(f, "this device does not support {what}"),
         }
     }

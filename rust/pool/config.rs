@@ -22,7 +22,9 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { rules: Rules::default() }
+        Config {
+            rules: Rules::default(),
+        }
     }
 }
 
@@ -42,7 +44,9 @@ impl Config {
                     // As PyTorch: at least a large segment, so shared segments still split.
                     let mb = parse_u64(key, value)?;
                     if mb * MIB < config.rules.large_segment {
-                        return Err(ConfigError(format!("max_split_size_mb must be at least 20, got {value}")));
+                        return Err(ConfigError(format!(
+                            "max_split_size_mb must be at least 20, got {value}"
+                        )));
                     }
                     config.rules.max_split_size = mb * MIB;
                 }
@@ -58,7 +62,13 @@ impl Config {
     /// Every setting as `(key, value)`, for `pool.config` and snapshots.
     pub fn entries(&self) -> Vec<(&'static str, String)> {
         let r = &self.rules;
-        let mb = |v: u64| if v == u64::MAX { "unlimited".to_string() } else { (v / MIB).to_string() };
+        let mb = |v: u64| {
+            if v == u64::MAX {
+                "unlimited".to_string()
+            } else {
+                (v / MIB).to_string()
+            }
+        };
         vec![
             ("max_split_size_mb", mb(r.max_split_size)),
             ("max_non_split_rounding_mb", mb(r.max_non_split_rounding)),
@@ -71,7 +81,11 @@ fn parse_u64(key: &str, value: &str) -> Result<u64, ConfigError> {
         .parse::<u64>()
         .ok()
         .filter(|v| *v < (1 << 40))
-        .ok_or_else(|| ConfigError(format!("config key '{key}' needs a non-negative integer, got '{value}'")))
+        .ok_or_else(|| {
+            ConfigError(format!(
+                "config key '{key}' needs a non-negative integer, got '{value}'"
+            ))
+        })
 }
 
 #[cfg(test)]
@@ -85,8 +99,63 @@ mod tests {
         assert_eq!(c.rules.max_non_split_rounding, 8 * MIB);
         assert!(Config::parse("").unwrap() == Config::default());
         assert!(Config::parse("bogus:1").unwrap_err().0.contains("bogus"));
-        assert!(Config::parse("max_split_size_mb:x").unwrap_err().0.contains("max_split_size_mb"));
-        assert!(Config::parse("max_split_size_mb:4").unwrap_err().0.contains("max_split_size_mb"));
-        assert!(Config::parse("max_split_size_mb").unwrap_err().0.contains("key:value"));
+        assert!(Config::parse("max_split_size_mb:x")
+            .unwrap_err()
+            .0
+            .contains("max_split_size_mb"));
+        assert!(Config::parse("max_split_size_mb:4")
+            .unwrap_err()
+            .0
+            .contains("max_split_size_mb"));
+        assert!(Config::parse("max_split_size_mb")
+            .unwrap_err()
+            .0
+            .contains("key:value"));
+    }
+}
+
+/// Bytes in a size such as `80GiB`, `512 MiB`, `1.5GB` or `4096` (KB/MB/GB are powers of
+/// 1000, KiB/MiB/GiB powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = (t[..split].trim(), t[split..].trim());
+    let scale: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(ConfigError(format!("unknown size unit in '{text}'"))),
+    };
+    let value: f64 = number
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+        .ok_or_else(|| ConfigError(format!("'{text}' is not a size such as 80GiB")))?;
+    let bytes = value * scale as f64;
+    if bytes > crate::core::Rules::MAX_REQUEST as f64 {
+        return Err(ConfigError(format!("size '{text}' is absurdly large")));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("80GiB").unwrap(), 80 << 30);
+        assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("-1GiB").is_err());
+        assert!(parse_size("GiB").is_err());
     }
 }

@@ -4,7 +4,7 @@
 mod config;
 mod error;
 
-pub use config::{Config, ConfigError};
+pub use config::{parse_size, Config, ConfigError};
 pub use error::{format_bytes, OomReport, PoolError};
 
 use crate::core::{Handle, Heap, Rules, SegmentInfo, Stats};
@@ -30,7 +30,11 @@ pub struct Pool<D: Device> {
 impl<D: Device> Pool<D> {
     pub fn new(device: D, config: Config) -> Self {
         let heap = Heap::new(config.rules.clone());
-        Pool { device, heap, config }
+        Pool {
+            device,
+            heap,
+            config,
+        }
     }
 
     pub fn device(&self) -> &D {
@@ -65,15 +69,26 @@ impl<D: Device> Pool<D> {
     }
 
     fn allocation(&self, handle: Handle, size: u64) -> Allocation {
-        let address = self.heap.block(handle).map(|b| b.address).unwrap_or_default();
-        Allocation { handle, address, size }
+        let address = self
+            .heap
+            .block(handle)
+            .map(|b| b.address)
+            .unwrap_or_default();
+        Allocation {
+            handle,
+            address,
+            size,
+        }
     }
 
     /// Serves `size` bytes from cached segments only; `None` means the device must be asked.
     /// Callers that must not block (the Python binding holding the GIL) try this first.
     pub fn alloc_cached(&mut self, size: u64) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
-        Ok(self.heap.take(size, DEFAULT_STREAM).map(|h| self.allocation(h, size)))
+        Ok(self
+            .heap
+            .take(size, DEFAULT_STREAM)
+            .map(|h| self.allocation(h, size)))
     }
 
     /// Allocates `size` bytes: from the cache, else from a new segment; when the device refuses,
@@ -91,22 +106,26 @@ impl<D: Device> Pool<D> {
             Err(e) => return Err(e.into()),
         };
         self.heap.stats_mut().num_device_alloc += 1;
-        let segment = self.heap.add_segment(address, segment_size, kind, DEFAULT_STREAM);
+        let segment = self
+            .heap
+            .add_segment(address, segment_size, kind, DEFAULT_STREAM);
         let handle = self.heap.take_segment(segment, size);
         Ok(self.allocation(handle, size))
     }
 
+    /// PyTorch's last resort: return every fully free cached segment, then ask once more
+    /// (a device may also refuse transiently, so the retry happens even if nothing was freed).
     fn retry_after_flush(&mut self, size: u64, segment_size: u64) -> Result<u64, PoolError> {
-        if self.release_cached()? > 0 {
-            self.heap.stats_mut().num_alloc_retries += 1;
-            match self.device.allocate(segment_size) {
-                Ok(address) => return Ok(address),
-                Err(DeviceError::OutOfMemory { .. }) => {}
-                Err(e) => return Err(e.into()),
+        self.release_cached()?;
+        self.heap.stats_mut().num_alloc_retries += 1;
+        match self.device.allocate(segment_size) {
+            Ok(address) => Ok(address),
+            Err(DeviceError::OutOfMemory { .. }) => {
+                self.heap.stats_mut().num_ooms += 1;
+                Err(PoolError::OutOfMemory(Box::new(self.oom_report(size))))
             }
+            Err(e) => Err(e.into()),
         }
-        self.heap.stats_mut().num_ooms += 1;
-        Err(PoolError::OutOfMemory(Box::new(self.oom_report(size))))
     }
 
     pub fn oom_report(&self, requested: u64) -> OomReport {
@@ -157,10 +176,18 @@ impl<D: Device> Pool<D> {
     /// The heap's invariants, plus: the device holds exactly the reserved bytes.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.heap.check_invariants()?;
-        let reserved = self.stats().get(crate::core::Metric::ReservedBytes, crate::core::StatType::All).current;
+        let reserved = self
+            .stats()
+            .get(
+                crate::core::Metric::ReservedBytes,
+                crate::core::StatType::All,
+            )
+            .current;
         let held = self.device.memory_info().held;
         if held != reserved {
-            return Err(format!("device holds {held} bytes but the pool reserves {reserved}"));
+            return Err(format!(
+                "device holds {held} bytes but the pool reserves {reserved}"
+            ));
         }
         Ok(())
     }

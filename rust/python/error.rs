@@ -1,0 +1,53 @@
+//! Maps core, device and pool errors to Python exceptions.
+
+use crate::pool::PoolError;
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    gpupool,
+    OutOfMemoryError,
+    PyMemoryError,
+    "The device cannot provide the requested memory."
+);
+
+pub fn value_error(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+pub fn pool_error(e: PoolError) -> PyErr {
+    match e {
+        PoolError::OutOfMemory(report) => OutOfMemoryError::new_err(report.to_string()),
+        PoolError::InvalidSize(_) | PoolError::Heap(_) => PyValueError::new_err(e.to_string()),
+        PoolError::Device(d) => PyRuntimeError::new_err(d.to_string()),
+    }
+}
+
+/// A poisoned lock means a panic interrupted the pool; its state can no longer be trusted.
+pub fn poisoned<T>(_: T) -> PyErr {
+    PyRuntimeError::new_err("the pool was left inconsistent by an earlier internal panic")
+}
+
+/// A non-negative integer size; floats and strings are a TypeError, negatives a ValueError.
+pub fn size_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if !value.is_instance_of::<pyo3::types::PyInt>() {
+        let kind = value.get_type().name()?;
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "{what} must be an int, not {kind}"
+        )));
+    }
+    let n: i128 = value
+        .extract()
+        .map_err(|_| PyValueError::new_err(format!("{what} {value} is absurdly large")))?;
+    if n < 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be non-negative, got {n}"
+        )));
+    }
+    if n > crate::core::Rules::MAX_REQUEST as i128 {
+        return Err(PyValueError::new_err(format!(
+            "{what} {n} is absurdly large (limit 2**62)"
+        )));
+    }
+    Ok(n as u64)
+}

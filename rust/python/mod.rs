@@ -1,0 +1,28 @@
+//! The Python extension `gpupool._native`: one file per class, no algorithm.
+
+mod device;
+mod device_ptr;
+mod error;
+mod pool;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<pool::PyPool>()?;
+    m.add_class::<device_ptr::PyDevicePtr>()?;
+    m.add_class::<device::PyDevice>()?;
+    m.add(
+        "OutOfMemoryError",
+        m.py().get_type::<error::OutOfMemoryError>(),
+    )?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    Ok(())
+}
+
+/// Bytes in a size such as `80GiB`, `512 MiB`, `1.5GB` or `4096`.
+#[pyfunction]
+fn parse_size(text: &str) -> PyResult<u64> {
+    crate::pool::parse_size(text).map_err(error::value_error)
+}
