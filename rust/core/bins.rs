@@ -51,12 +51,7 @@ pub struct Bins {
 
 impl Default for Bins {
     fn default() -> Self {
-        Bins {
-            fl_bitmap: 0,
-            sl_bitmap: [0; FL_COUNT],
-            heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
-            len: 0,
-        }
+        Bins { fl_bitmap: 0, sl_bitmap: [0; FL_COUNT], heads: vec![NIL; BIN_COUNT].into_boxed_slice(), len: 0 }
     }
 }
 
@@ -217,19 +212,14 @@ mod tests {
 
     #[test]
     fn mapping_is_monotonic_and_tight() {
-        let sizes: Vec<u64> = (256..65536)
-            .chain((65536..1u64 << 40).step_by(1 << 20))
-            .collect();
+        let sizes: Vec<u64> = (256..65536).chain((65536..1u64 << 40).step_by(1 << 20)).collect();
         for pair in sizes.windows(2) {
             assert!(bin_index(pair[0]) <= bin_index(pair[1]));
         }
         for &size in &sizes[1..] {
             // Bins are at most 1/32 of their size wide.
             let bin = bin_index(size);
-            assert_eq!(
-                bin_index(size + size / 64),
-                bin.max(bin_index(size + size / 64))
-            );
+            assert_eq!(bin_index(size + size / 64), bin.max(bin_index(size + size / 64)));
         }
         assert_eq!(bin_index(256), 1);
         assert_eq!(bin_index(8191), 31);
@@ -239,11 +229,7 @@ mod tests {
 
     #[test]
     fn finds_best_fit_and_respects_bounds() {
-        let mut blocks = vec![
-            block(0, 4096),
-            block(10_000, 1 << 20),
-            block(1 << 30, 3 << 20),
-        ];
+        let mut blocks = vec![block(0, 4096), block(10_000, 1 << 20), block(1 << 30, 3 << 20)];
         let mut bins = Bins::default();
         for id in 0..3 {
             bins.insert(&mut blocks, id);
@@ -260,11 +246,7 @@ mod tests {
 
     #[test]
     fn prefers_smaller_then_lower_address_in_a_bin() {
-        let mut blocks = vec![
-            block(3 << 20, 1 << 20),
-            block(1 << 20, 1 << 20),
-            block(0, (1 << 20) + 4096),
-        ];
+        let mut blocks = vec![block(3 << 20, 1 << 20), block(1 << 20, 1 << 20), block(0, (1 << 20) + 4096)];
         let mut bins = Bins::default();
         for id in 0..3 {
             bins.insert(&mut blocks, id);

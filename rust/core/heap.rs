@@ -110,10 +110,7 @@ impl Heap {
         match self.unused_blocks.pop() {
             Some(id) => {
                 let generation = self.blocks[id as usize].generation;
-                self.blocks[id as usize] = Block {
-                    generation,
-                    ..block
-                };
+                self.blocks[id as usize] = Block { generation, ..block };
                 id
             }
             None => {
@@ -132,20 +129,8 @@ impl Heap {
     }
 
     /// Registers a fresh device allocation as one free block.
-    pub fn add_segment(
-        &mut self,
-        address: u64,
-        size: u64,
-        kind: PoolKind,
-        stream: u32,
-    ) -> SegmentId {
-        let segment = Segment {
-            address,
-            size,
-            kind,
-            stream,
-            head: NIL,
-        };
+    pub fn add_segment(&mut self, address: u64, size: u64, kind: PoolKind, stream: u32) -> SegmentId {
+        let segment = Segment { address, size, kind, stream, head: NIL };
         let sid = match self.unused_segments.pop() {
             Some(sid) => {
                 self.segments[sid as usize] = Some(segment);
@@ -204,8 +189,7 @@ impl Heap {
         let block = &self.blocks[id as usize];
         if block.is_split() {
             self.stats.decrease(Metric::InactiveSplit, kind, 1);
-            self.stats
-                .decrease(Metric::InactiveSplitBytes, kind, block.size);
+            self.stats.decrease(Metric::InactiveSplitBytes, kind, block.size);
         }
         if self.rules.should_split(kind, block.size, rounded) {
             self.split(id, rounded, kind);
@@ -219,10 +203,7 @@ impl Heap {
         self.stats.increase(Metric::AllocatedBytes, kind, size);
         self.stats.increase(Metric::ActiveBytes, kind, size);
         self.stats.increase(Metric::RequestedBytes, kind, requested);
-        Handle {
-            index: id,
-            generation,
-        }
+        Handle { index: id, generation }
     }
 
     /// Cuts block `id` to `size` bytes; the tail becomes a free block in the same bins.
@@ -247,16 +228,12 @@ impl Heap {
         let tail_size = b.size - size;
         self.bin_insert(b.stream, kind, tail);
         self.stats.increase(Metric::InactiveSplit, kind, 1);
-        self.stats
-            .increase(Metric::InactiveSplitBytes, kind, tail_size);
+        self.stats.increase(Metric::InactiveSplitBytes, kind, tail_size);
     }
 
     /// The allocated block a handle names.
     pub fn block(&self, handle: Handle) -> Result<&Block, HeapError> {
-        let b = self
-            .blocks
-            .get(handle.index as usize)
-            .ok_or(HeapError::UnknownHandle)?;
+        let b = self.blocks.get(handle.index as usize).ok_or(HeapError::UnknownHandle)?;
         if b.generation != handle.generation || b.state != BlockState::Allocated {
             return Err(HeapError::NotAllocated);
         }
@@ -292,8 +269,7 @@ impl Heap {
         let block = &self.blocks[id as usize];
         if block.is_split() {
             self.stats.increase(Metric::InactiveSplit, kind, 1);
-            self.stats
-                .increase(Metric::InactiveSplitBytes, kind, block.size);
+            self.stats.increase(Metric::InactiveSplitBytes, kind, block.size);
         }
         let stream = block.stream;
         self.bin_insert(stream, kind, id);
@@ -303,10 +279,7 @@ impl Heap {
     /// Takes a free neighbour (necessarily split, so counted as inactive split) out of its bin
     /// before it is merged.
     fn unbin_free_neighbour(&mut self, id: u32, kind: PoolKind) {
-        let (stream, size) = (
-            self.blocks[id as usize].stream,
-            self.blocks[id as usize].size,
-        );
+        let (stream, size) = (self.blocks[id as usize].stream, self.blocks[id as usize].size);
         self.bin_remove(stream, kind, id);
         self.stats.decrease(Metric::InactiveSplit, kind, 1);
         self.stats.decrease(Metric::InactiveSplitBytes, kind, size);
@@ -315,10 +288,7 @@ impl Heap {
     /// Merges the block after `id` into `id`; both are out of the bins.
     fn absorb_next(&mut self, id: u32) {
         let next = self.blocks[id as usize].next;
-        let (after, next_size) = (
-            self.blocks[next as usize].next,
-            self.blocks[next as usize].size,
-        );
+        let (after, next_size) = (self.blocks[next as usize].next, self.blocks[next as usize].size);
         let block = &mut self.blocks[id as usize];
         block.size += next_size;
         block.next = after;
@@ -329,17 +299,12 @@ impl Heap {
     }
 
     fn segment(&self, sid: u32) -> &Segment {
-        self.segments[sid as usize]
-            .as_ref()
-            .expect("block of a released segment")
+        self.segments[sid as usize].as_ref().expect("block of a released segment")
     }
 
     /// Removes every segment that is one free block and for which `want` says yes; returns
     /// their (address, size) so the caller can give them back to the device.
-    pub fn release_free_segments(
-        &mut self,
-        mut want: impl FnMut(u64, u64) -> bool,
-    ) -> Vec<(u64, u64)> {
+    pub fn release_free_segments(&mut self, mut want: impl FnMut(u64, u64) -> bool) -> Vec<(u64, u64)> {
         let mut released = Vec::new();
         for sid in 0..self.segments.len() {
             let Some(seg) = self.segments[sid].clone() else {
@@ -354,8 +319,7 @@ impl Heap {
             self.segments[sid] = None;
             self.unused_segments.push(sid as u32);
             self.stats.decrease(Metric::Segment, seg.kind, 1);
-            self.stats
-                .decrease(Metric::ReservedBytes, seg.kind, seg.size);
+            self.stats.decrease(Metric::ReservedBytes, seg.kind, seg.size);
             released.push((seg.address, seg.size));
         }
         released
@@ -419,26 +383,16 @@ impl Heap {
             recount.increase(Metric::ReservedBytes, seg.kind, seg.size);
             let (mut expected_address, mut prev, mut prev_free) = (seg.address, NIL, false);
             for (i, b) in self.blocks_of(seg).enumerate() {
-                let id = if i == 0 {
-                    seg.head
-                } else {
-                    self.blocks[prev as usize].next
-                };
+                let id = if i == 0 { seg.head } else { self.blocks[prev as usize].next };
                 if b.segment != sid as u32 || b.prev != prev || b.stream != seg.stream {
                     return Err(format!("block {id} is mislinked in segment {sid}"));
                 }
                 if b.address != expected_address || b.size == 0 {
-                    return Err(format!(
-                        "segment {sid} is not tiled exactly at {:#x}",
-                        b.address
-                    ));
+                    return Err(format!("segment {sid} is not tiled exactly at {:#x}", b.address));
                 }
                 let free = b.state == BlockState::Free;
                 if free && prev_free {
-                    return Err(format!(
-                        "adjacent free blocks at {:#x} were not coalesced",
-                        b.address
-                    ));
+                    return Err(format!("adjacent free blocks at {:#x} were not coalesced", b.address));
                 }
                 if free {
                     free_in_segments.insert(id);
@@ -474,9 +428,7 @@ impl Heap {
             for kind in PoolKind::ALL {
                 for id in pair[kind.index()].check(&self.blocks)? {
                     let b = &self.blocks[id as usize];
-                    if b.state != BlockState::Free
-                        || b.stream != stream as u32
-                        || self.segment(b.segment).kind != kind
+                    if b.state != BlockState::Free || b.stream != stream as u32 || self.segment(b.segment).kind != kind
                     {
                         return Err(format!("block {id} sits in the wrong bins"));
                     }
@@ -496,17 +448,10 @@ impl Heap {
                 recount.currents()
             ));
         }
-        for metric in [
-            Metric::Allocation,
-            Metric::AllocatedBytes,
-            Metric::ReservedBytes,
-        ] {
+        for metric in [Metric::Allocation, Metric::AllocatedBytes, Metric::ReservedBytes] {
             let s = self.stats.get(metric, StatType::All);
             if s.peak < s.current || s.allocated - s.freed != s.current {
-                return Err(format!(
-                    "{} counters are inconsistent: {s:?}",
-                    metric.name()
-                ));
+                return Err(format!("{} counters are inconsistent: {s:?}", metric.name()));
             }
         }
         Ok(())

@@ -101,9 +101,7 @@ impl Rules {
         let remaining = block_size - rounded;
         match kind {
             PoolKind::Small => remaining >= self.small_min_remainder,
-            PoolKind::Large => {
-                rounded < self.max_split_size && remaining > self.large_min_remainder
-            }
+            PoolKind::Large => rounded < self.max_split_size && remaining > self.large_min_remainder,
         }
     }
 
@@ -144,10 +142,7 @@ mod tests {
         assert!(!r.should_split(PoolKind::Small, 1024, 1024));
         assert!(!r.should_split(PoolKind::Large, 20 * MIB, 19 * MIB));
         assert!(r.should_split(PoolKind::Large, 20 * MIB, 18 * MIB));
-        let limited = Rules {
-            max_split_size: 20 * MIB,
-            ..Rules::default()
-        };
+        let limited = Rules { max_split_size: 20 * MIB, ..Rules::default() };
         assert_eq!(limited.max_block_for(4 * MIB), 20 * MIB - 1);
         assert!(!limited.should_split(PoolKind::Large, 64 * MIB, 32 * MIB));
     }

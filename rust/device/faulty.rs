@@ -24,12 +24,7 @@ impl<D: Device> Faulty<D> {
             FaultPlan::Probability { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
             FaultPlan::Nth(_) => 0,
         };
-        Faulty {
-            inner,
-            plan,
-            calls: 0,
-            rng: rng.max(1),
-        }
+        Faulty { inner, plan, calls: 0, rng: rng.max(1) }
     }
 
     /// xorshift64*: a dependency-free generator; quality is ample for fault schedules.
@@ -74,6 +69,7 @@ impl<D: Device> Device for Faulty<D> {
     fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.inner.read(address, out)
     }
+    super::forward_streams!(inner);
 }
 
 #[cfg(test)]
@@ -93,9 +89,7 @@ mod tests {
     fn probability_is_seeded() {
         let outcomes = |seed| {
             let mut dev = Faulty::new(Sim::new(1 << 40), FaultPlan::Probability { p: 0.5, seed });
-            (0..64)
-                .map(|_| dev.allocate(512).is_ok())
-                .collect::<Vec<_>>()
+            (0..64).map(|_| dev.allocate(512).is_ok()).collect::<Vec<_>>()
         };
         assert_eq!(outcomes(7), outcomes(7));
         let refused = outcomes(7).iter().filter(|ok| !**ok).count();

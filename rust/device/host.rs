@@ -1,6 +1,6 @@
 //! `host`: real, page-aligned host memory, so data written through an allocation reads back.
 
-use super::{check_capacity, Device, DeviceError, MemoryInfo};
+use super::{check_capacity, Device, DeviceError, MemoryInfo, SimStreams};
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
 
@@ -12,27 +12,18 @@ pub struct Host {
     held: u64,
     /// Live allocations by address; ordered so `read`/`write` find the one holding a range.
     live: BTreeMap<u64, Layout>,
+    streams: SimStreams,
 }
 
 impl Host {
     pub fn new(capacity: Option<u64>) -> Self {
-        Host {
-            capacity,
-            held: 0,
-            live: BTreeMap::new(),
-        }
+        Host { capacity, held: 0, live: BTreeMap::new(), streams: SimStreams::default() }
     }
 
     /// Checks that `[address, address + len)` lies inside one live allocation.
     fn check_range(&self, address: u64, len: usize) -> Result<(), DeviceError> {
-        let (&base, layout) = self
-            .live
-            .range(..=address)
-            .next_back()
-            .ok_or(DeviceError::InvalidAddress(address))?;
-        let end = address
-            .checked_add(len as u64)
-            .ok_or(DeviceError::InvalidAddress(address))?;
+        let (&base, layout) = self.live.range(..=address).next_back().ok_or(DeviceError::InvalidAddress(address))?;
+        let end = address.checked_add(len as u64).ok_or(DeviceError::InvalidAddress(address))?;
         if end > base + layout.size() as u64 {
             return Err(DeviceError::InvalidAddress(address));
         }
@@ -62,10 +53,7 @@ impl Device for Host {
     }
 
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
-        let layout = self
-            .live
-            .remove(&address)
-            .ok_or(DeviceError::InvalidAddress(address))?;
+        let layout = self.live.remove(&address).ok_or(DeviceError::InvalidAddress(address))?;
         // SAFETY: `address` came from `alloc::alloc(layout)` and was removed from `live`, so it
         // is deallocated exactly once.
         #[allow(unsafe_code)]
@@ -76,11 +64,10 @@ impl Device for Host {
         Ok(())
     }
 
+    super::forward_streams!(streams);
+
     fn memory_info(&self) -> MemoryInfo {
-        MemoryInfo {
-            total: self.capacity,
-            held: self.held,
-        }
+        MemoryInfo { total: self.capacity, held: self.held }
     }
 
     fn host_accessible(&self) -> bool {
@@ -136,10 +123,7 @@ mod tests {
         assert_eq!(&out, b"gpupool");
         assert!(host.write(a + 8190, b"xyz").is_err());
         assert!(host.read(a + 8192 + PAGE as u64 * 100, &mut out).is_err());
-        assert_eq!(
-            host.allocate(2 << 20),
-            Err(DeviceError::OutOfMemory { requested: 2 << 20 })
-        );
+        assert_eq!(host.allocate(2 << 20), Err(DeviceError::OutOfMemory { requested: 2 << 20 }));
         host.release(a).unwrap();
         assert!(host.release(a).is_err());
         assert_eq!(host.memory_info().held, 0);

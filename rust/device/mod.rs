@@ -8,23 +8,43 @@
 //!   anything else is [`DeviceError::InvalidAddress`] and changes nothing.
 //! - [`Device::write`] / [`Device::read`] copy between host buffers and device memory inside one
 //!   live allocation; devices without memory behind their addresses answer `Unsupported`.
+//! - Streams and events: stream [`DEFAULT_STREAM`] always exists. `record_event` marks the
+//!   current end of a stream's work; `query_event` says whether everything before it finished;
+//!   `synchronize_*` block until it has; `stream_wait_event` orders a stream's later work after an
+//!   event without blocking the host. `hold_stream` exists for simulated devices (it makes the
+//!   stream busy until synchronized) and is a no-op where real kernels keep streams busy.
 //! - A device never panics on bad input: every failure is a `DeviceError`.
 
 mod faulty;
 mod host;
 mod sim;
+mod streams;
 
 pub use faulty::{FaultPlan, Faulty};
 pub use host::Host;
 pub use sim::Sim;
+pub use streams::SimStreams;
+
+/// A stream of device work, as numbered by its device.
+pub type StreamId = u32;
+/// A marker recorded in a stream, as numbered by its device.
+pub type EventId = u64;
+/// The stream that exists on every device from the start.
+pub const DEFAULT_STREAM: StreamId = 0;
 
 use std::fmt;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceError {
-    OutOfMemory { requested: u64 },
+    OutOfMemory {
+        requested: u64,
+    },
     InvalidAddress(u64),
+    InvalidStream(StreamId),
+    InvalidEvent(EventId),
     Unsupported(&'static str),
+    /// A driver call failed (real devices only); the text names the call and the code.
+    Driver(String),
 }
 
 impl fmt::Display for DeviceError {
@@ -34,7 +54,10 @@ impl fmt::Display for DeviceError {
             DeviceError::InvalidAddress(a) => {
                 write!(f, "address {a:#x} is not a live device allocation")
             }
+            DeviceError::InvalidStream(s) => write!(f, "stream {s} does not exist on this device (destroyed?)"),
+            DeviceError::InvalidEvent(e) => write!(f, "event {e} does not exist on this device"),
             DeviceError::Unsupported(what) => write!(f, "this device does not support {what}"),
+            DeviceError::Driver(message) => f.write_str(message),
         }
     }
 }
@@ -69,7 +92,65 @@ pub trait Device: Send {
     fn read(&self, _address: u64, _out: &mut [u8]) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("copies"))
     }
+    fn create_stream(&mut self) -> Result<StreamId, DeviceError>;
+    fn destroy_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
+    fn hold_stream(&mut self, _stream: StreamId) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn query_stream(&mut self, stream: StreamId) -> Result<bool, DeviceError>;
+    fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DeviceError>;
+    fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError>;
+    fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError>;
+    fn destroy_event(&mut self, event: EventId) -> Result<(), DeviceError>;
+    fn stream_wait_event(&mut self, _stream: StreamId, _event: EventId) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("stream waits"))
+    }
 }
+
+/// Implements the stream and event calls of [`Device`] by forwarding to field `$field`.
+macro_rules! forward_streams {
+    ($field:ident) => {
+        fn create_stream(&mut self) -> Result<$crate::device::StreamId, $crate::device::DeviceError> {
+            self.$field.create_stream()
+        }
+        fn destroy_stream(&mut self, s: $crate::device::StreamId) -> Result<(), $crate::device::DeviceError> {
+            self.$field.destroy_stream(s)
+        }
+        fn hold_stream(&mut self, s: $crate::device::StreamId) -> Result<(), $crate::device::DeviceError> {
+            self.$field.hold_stream(s)
+        }
+        fn query_stream(&mut self, s: $crate::device::StreamId) -> Result<bool, $crate::device::DeviceError> {
+            self.$field.query_stream(s)
+        }
+        fn synchronize_stream(&mut self, s: $crate::device::StreamId) -> Result<(), $crate::device::DeviceError> {
+            self.$field.synchronize_stream(s)
+        }
+        fn record_event(
+            &mut self,
+            s: $crate::device::StreamId,
+        ) -> Result<$crate::device::EventId, $crate::device::DeviceError> {
+            self.$field.record_event(s)
+        }
+        fn query_event(&mut self, e: $crate::device::EventId) -> Result<bool, $crate::device::DeviceError> {
+            self.$field.query_event(e)
+        }
+        fn synchronize_event(&mut self, e: $crate::device::EventId) -> Result<(), $crate::device::DeviceError> {
+            self.$field.synchronize_event(e)
+        }
+        fn destroy_event(&mut self, e: $crate::device::EventId) -> Result<(), $crate::device::DeviceError> {
+            self.$field.destroy_event(e)
+        }
+        fn stream_wait_event(
+            &mut self,
+            s: $crate::device::StreamId,
+            e: $crate::device::EventId,
+        ) -> Result<(), $crate::device::DeviceError> {
+            self.$field.stream_wait_event(s, e)
+        }
+    };
+}
+pub(crate) use forward_streams;
 
 impl<D: Device + ?Sized> Device for Box<D> {
     fn name(&self) -> &str {
@@ -92,6 +173,36 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         (**self).read(address, out)
+    }
+    fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
+        (**self).create_stream()
+    }
+    fn destroy_stream(&mut self, s: StreamId) -> Result<(), DeviceError> {
+        (**self).destroy_stream(s)
+    }
+    fn hold_stream(&mut self, s: StreamId) -> Result<(), DeviceError> {
+        (**self).hold_stream(s)
+    }
+    fn query_stream(&mut self, s: StreamId) -> Result<bool, DeviceError> {
+        (**self).query_stream(s)
+    }
+    fn synchronize_stream(&mut self, s: StreamId) -> Result<(), DeviceError> {
+        (**self).synchronize_stream(s)
+    }
+    fn record_event(&mut self, s: StreamId) -> Result<EventId, DeviceError> {
+        (**self).record_event(s)
+    }
+    fn query_event(&mut self, e: EventId) -> Result<bool, DeviceError> {
+        (**self).query_event(e)
+    }
+    fn synchronize_event(&mut self, e: EventId) -> Result<(), DeviceError> {
+        (**self).synchronize_event(e)
+    }
+    fn destroy_event(&mut self, e: EventId) -> Result<(), DeviceError> {
+        (**self).destroy_event(e)
+    }
+    fn stream_wait_event(&mut self, s: StreamId, e: EventId) -> Result<(), DeviceError> {
+        (**self).stream_wait_event(s, e)
     }
 }
 

@@ -1,6 +1,6 @@
 //! `sim`: a device with address space but no memory, for replaying and fuzzing huge GPUs.
 
-use super::{check_capacity, Device, DeviceError, MemoryInfo};
+use super::{check_capacity, Device, DeviceError, MemoryInfo, SimStreams};
 use std::collections::HashMap;
 
 /// Addresses start high and never repeat, so a stale address can never alias a live one.
@@ -13,16 +13,12 @@ pub struct Sim {
     held: u64,
     next_address: u64,
     live: HashMap<u64, u64>,
+    streams: SimStreams,
 }
 
 impl Sim {
     pub fn new(capacity: u64) -> Self {
-        Sim {
-            capacity,
-            held: 0,
-            next_address: BASE_ADDRESS,
-            live: HashMap::new(),
-        }
+        Sim { capacity, held: 0, next_address: BASE_ADDRESS, live: HashMap::new(), streams: SimStreams::default() }
     }
 }
 
@@ -35,28 +31,22 @@ impl Device for Sim {
         check_capacity(Some(self.capacity), self.held, size)?;
         let address = self.next_address;
         let span = size.div_ceil(ALIGNMENT).max(1) * ALIGNMENT;
-        self.next_address = address
-            .checked_add(span)
-            .ok_or(DeviceError::OutOfMemory { requested: size })?;
+        self.next_address = address.checked_add(span).ok_or(DeviceError::OutOfMemory { requested: size })?;
         self.held += size;
         self.live.insert(address, size);
         Ok(address)
     }
 
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
-        let size = self
-            .live
-            .remove(&address)
-            .ok_or(DeviceError::InvalidAddress(address))?;
+        let size = self.live.remove(&address).ok_or(DeviceError::InvalidAddress(address))?;
         self.held -= size;
         Ok(())
     }
 
+    super::forward_streams!(streams);
+
     fn memory_info(&self) -> MemoryInfo {
-        MemoryInfo {
-            total: Some(self.capacity),
-            held: self.held,
-        }
+        MemoryInfo { total: Some(self.capacity), held: self.held }
     }
 }
 
@@ -68,12 +58,7 @@ mod tests {
     fn capacity_and_release() {
         let mut sim = Sim::new(80 << 30);
         let a = sim.allocate(60 << 30).unwrap();
-        assert_eq!(
-            sim.allocate(30 << 30),
-            Err(DeviceError::OutOfMemory {
-                requested: 30 << 30
-            })
-        );
+        assert_eq!(sim.allocate(30 << 30), Err(DeviceError::OutOfMemory { requested: 30 << 30 }));
         let b = sim.allocate(20 << 30).unwrap();
         assert!(b >= a + (60 << 30));
         assert_eq!(sim.release(a + 1), Err(DeviceError::InvalidAddress(a + 1)));

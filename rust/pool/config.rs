@@ -22,9 +22,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            rules: Rules::default(),
-        }
+        Config { rules: Rules::default() }
     }
 }
 
@@ -35,18 +33,15 @@ impl Config {
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let mut config = Config::default();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (key, value) = item
-                .split_once(':')
-                .ok_or_else(|| ConfigError(format!("config item '{item}' is not key:value")))?;
+            let (key, value) =
+                item.split_once(':').ok_or_else(|| ConfigError(format!("config item '{item}' is not key:value")))?;
             let (key, value) = (key.trim(), value.trim());
             match key {
                 "max_split_size_mb" => {
                     // As PyTorch: at least a large segment, so shared segments still split.
                     let mb = parse_u64(key, value)?;
                     if mb * MIB < config.rules.large_segment {
-                        return Err(ConfigError(format!(
-                            "max_split_size_mb must be at least 20, got {value}"
-                        )));
+                        return Err(ConfigError(format!("max_split_size_mb must be at least 20, got {value}")));
                     }
                     config.rules.max_split_size = mb * MIB;
                 }
@@ -69,10 +64,7 @@ impl Config {
                 (v / MIB).to_string()
             }
         };
-        vec![
-            ("max_split_size_mb", mb(r.max_split_size)),
-            ("max_non_split_rounding_mb", mb(r.max_non_split_rounding)),
-        ]
+        vec![("max_split_size_mb", mb(r.max_split_size)), ("max_non_split_rounding_mb", mb(r.max_non_split_rounding))]
     }
 }
 
@@ -81,11 +73,7 @@ fn parse_u64(key: &str, value: &str) -> Result<u64, ConfigError> {
         .parse::<u64>()
         .ok()
         .filter(|v| *v < (1 << 40))
-        .ok_or_else(|| {
-            ConfigError(format!(
-                "config key '{key}' needs a non-negative integer, got '{value}'"
-            ))
-        })
+        .ok_or_else(|| ConfigError(format!("config key '{key}' needs a non-negative integer, got '{value}'")))
 }
 
 #[cfg(test)]
@@ -99,18 +87,9 @@ mod tests {
         assert_eq!(c.rules.max_non_split_rounding, 8 * MIB);
         assert!(Config::parse("").unwrap() == Config::default());
         assert!(Config::parse("bogus:1").unwrap_err().0.contains("bogus"));
-        assert!(Config::parse("max_split_size_mb:x")
-            .unwrap_err()
-            .0
-            .contains("max_split_size_mb"));
-        assert!(Config::parse("max_split_size_mb:4")
-            .unwrap_err()
-            .0
-            .contains("max_split_size_mb"));
-        assert!(Config::parse("max_split_size_mb")
-            .unwrap_err()
-            .0
-            .contains("key:value"));
+        assert!(Config::parse("max_split_size_mb:x").unwrap_err().0.contains("max_split_size_mb"));
+        assert!(Config::parse("max_split_size_mb:4").unwrap_err().0.contains("max_split_size_mb"));
+        assert!(Config::parse("max_split_size_mb").unwrap_err().0.contains("key:value"));
     }
 }
 

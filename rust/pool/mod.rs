@@ -30,11 +30,7 @@ pub struct Pool<D: Device> {
 impl<D: Device> Pool<D> {
     pub fn new(device: D, config: Config) -> Self {
         let heap = Heap::new(config.rules.clone());
-        Pool {
-            device,
-            heap,
-            config,
-        }
+        Pool { device, heap, config }
     }
 
     pub fn device(&self) -> &D {
@@ -69,26 +65,15 @@ impl<D: Device> Pool<D> {
     }
 
     fn allocation(&self, handle: Handle, size: u64) -> Allocation {
-        let address = self
-            .heap
-            .block(handle)
-            .map(|b| b.address)
-            .unwrap_or_default();
-        Allocation {
-            handle,
-            address,
-            size,
-        }
+        let address = self.heap.block(handle).map(|b| b.address).unwrap_or_default();
+        Allocation { handle, address, size }
     }
 
     /// Serves `size` bytes from cached segments only; `None` means the device must be asked.
     /// Callers that must not block (the Python binding holding the GIL) try this first.
     pub fn alloc_cached(&mut self, size: u64) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
-        Ok(self
-            .heap
-            .take(size, DEFAULT_STREAM)
-            .map(|h| self.allocation(h, size)))
+        Ok(self.heap.take(size, DEFAULT_STREAM).map(|h| self.allocation(h, size)))
     }
 
     /// Allocates `size` bytes: from the cache, else from a new segment; when the device refuses,
@@ -106,9 +91,7 @@ impl<D: Device> Pool<D> {
             Err(e) => return Err(e.into()),
         };
         self.heap.stats_mut().num_device_alloc += 1;
-        let segment = self
-            .heap
-            .add_segment(address, segment_size, kind, DEFAULT_STREAM);
+        let segment = self.heap.add_segment(address, segment_size, kind, DEFAULT_STREAM);
         let handle = self.heap.take_segment(segment, size);
         Ok(self.allocation(handle, size))
     }
@@ -176,18 +159,10 @@ impl<D: Device> Pool<D> {
     /// The heap's invariants, plus: the device holds exactly the reserved bytes.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.heap.check_invariants()?;
-        let reserved = self
-            .stats()
-            .get(
-                crate::core::Metric::ReservedBytes,
-                crate::core::StatType::All,
-            )
-            .current;
+        let reserved = self.stats().get(crate::core::Metric::ReservedBytes, crate::core::StatType::All).current;
         let held = self.device.memory_info().held;
         if held != reserved {
-            return Err(format!(
-                "device holds {held} bytes but the pool reserves {reserved}"
-            ));
+            return Err(format!("device holds {held} bytes but the pool reserves {reserved}"));
         }
         Ok(())
     }

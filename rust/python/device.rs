@@ -11,14 +11,11 @@ pub fn open_device(kind: &str, capacity: Option<u64>) -> PyResult<Box<dyn Device
     match kind {
         "host" => Ok(Box::new(Host::new(capacity))),
         "sim" => {
-            let capacity = capacity.ok_or_else(|| {
-                value_error("device 'sim' needs a capacity, e.g. capacity='80GiB'")
-            })?;
+            let capacity =
+                capacity.ok_or_else(|| value_error("device 'sim' needs a capacity, e.g. capacity='80GiB'"))?;
             Ok(Box::new(Sim::new(capacity)))
         }
-        other => Err(value_error(format!(
-            "unknown device '{other}': expected 'host' or 'sim'"
-        ))),
+        other => Err(value_error(format!("unknown device '{other}': expected 'host' or 'sim'"))),
     }
 }
 
@@ -56,29 +53,15 @@ impl PyDevice {
     #[new]
     #[pyo3(signature = (kind = "host", capacity = None))]
     fn new(kind: &str, capacity: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        Ok(PyDevice {
-            inner: Mutex::new(open_device(kind, capacity_arg(capacity)?)?),
-        })
+        Ok(PyDevice { inner: Mutex::new(open_device(kind, capacity_arg(capacity)?)?) })
     }
 
     fn allocate(&self, py: Python<'_>, size: &Bound<'_, PyAny>) -> PyResult<u64> {
         let size = size_arg(size, "size")?;
-        py.detach(|| {
-            self.inner
-                .lock()
-                .map_err(poisoned)?
-                .allocate(size)
-                .map_err(device_error)
-        })
+        py.detach(|| self.inner.lock().map_err(poisoned)?.allocate(size).map_err(device_error))
     }
 
     fn release(&self, py: Python<'_>, address: u64) -> PyResult<()> {
-        py.detach(|| {
-            self.inner
-                .lock()
-                .map_err(poisoned)?
-                .release(address)
-                .map_err(device_error)
-        })
+        py.detach(|| self.inner.lock().map_err(poisoned)?.release(address).map_err(device_error))
     }
 }

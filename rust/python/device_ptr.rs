@@ -22,23 +22,11 @@ pub struct PyDevicePtr {
 
 impl PyDevicePtr {
     pub fn new(shared: Arc<Shared>, a: Allocation) -> Self {
-        PyDevicePtr {
-            shared,
-            address: a.address,
-            size: a.size,
-            handle: Some(a.handle),
-            freed: AtomicBool::new(false),
-        }
+        PyDevicePtr { shared, address: a.address, size: a.size, handle: Some(a.handle), freed: AtomicBool::new(false) }
     }
 
     pub fn empty(shared: Arc<Shared>) -> Self {
-        PyDevicePtr {
-            shared,
-            address: 0,
-            size: 0,
-            handle: None,
-            freed: AtomicBool::new(false),
-        }
+        PyDevicePtr { shared, address: 0, size: 0, handle: None, freed: AtomicBool::new(false) }
     }
 
     pub fn belongs_to(&self, shared: &Arc<Shared>) -> bool {
@@ -48,10 +36,7 @@ impl PyDevicePtr {
     /// Frees once; the flag flips before the pool lock is taken, so a racing second free fails.
     pub fn release(&self) -> PyResult<()> {
         if self.freed.swap(true, Ordering::AcqRel) {
-            return Err(value_error(format!(
-                "double free of DevicePtr {:#x}",
-                self.address
-            )));
+            return Err(value_error(format!("double free of DevicePtr {:#x}", self.address)));
         }
         match self.handle {
             Some(handle) => self.shared.lock()?.free(handle).map_err(pool_error),
@@ -61,10 +46,7 @@ impl PyDevicePtr {
 
     fn check_live(&self) -> PyResult<()> {
         if self.freed.load(Ordering::Acquire) {
-            return Err(value_error(format!(
-                "DevicePtr {:#x} was freed",
-                self.address
-            )));
+            return Err(value_error(format!("DevicePtr {:#x} was freed", self.address)));
         }
         Ok(())
     }
@@ -94,16 +76,8 @@ fn buffer_bytes(data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     if let Ok(bytes) = data.cast::<PyBytes>() {
         return Ok(bytes.as_bytes().to_vec());
     }
-    let view = data
-        .py()
-        .import("builtins")?
-        .getattr("memoryview")?
-        .call1((data,))?;
-    Ok(view
-        .call_method0("tobytes")?
-        .cast_into::<PyBytes>()?
-        .as_bytes()
-        .to_vec())
+    let view = data.py().import("builtins")?.getattr("memoryview")?.call1((data,))?;
+    Ok(view.call_method0("tobytes")?.cast_into::<PyBytes>()?.as_bytes().to_vec())
 }
 
 #[pymethods]
@@ -155,10 +129,7 @@ impl PyDevicePtr {
 
     fn __repr__(&self) -> String {
         let state = if self.freed() { ", freed" } else { "" };
-        format!(
-            "DevicePtr({:#x}, size={}, device='{}'{state})",
-            self.address, self.size, self.shared.device
-        )
+        format!("DevicePtr({:#x}, size={}, device='{}'{state})", self.address, self.size, self.shared.device)
     }
 
     /// A zero-copy uint8 view for numpy (host memory only).
@@ -175,11 +146,7 @@ impl PyDevicePtr {
     }
 
     #[pyo3(signature = (data, offset = None))]
-    fn copy_from_host(
-        &self,
-        data: &Bound<'_, PyAny>,
-        offset: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
+    fn copy_from_host(&self, data: &Bound<'_, PyAny>, offset: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let offset = offset.map_or(Ok(0), |o| size_arg(o, "offset"))?;
         let bytes = buffer_bytes(data)?;
         let end = offset.checked_add(bytes.len() as u64);
@@ -196,9 +163,7 @@ impl PyDevicePtr {
         // Checking `freed` under the pool lock orders it with a concurrent free.
         let mut pool = self.shared.lock()?;
         self.check_live()?;
-        pool.device_mut()
-            .write(self.address + offset, &bytes)
-            .map_err(|e| value_error(e.to_string()))
+        pool.device_mut().write(self.address + offset, &bytes).map_err(|e| value_error(e.to_string()))
     }
 
     fn copy_to_host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
@@ -208,9 +173,7 @@ impl PyDevicePtr {
             }
             let pool = self.shared.lock()?;
             self.check_live()?;
-            pool.device()
-                .read(self.address, out)
-                .map_err(|e| value_error(e.to_string()))
+            pool.device().read(self.address, out).map_err(|e| value_error(e.to_string()))
         })
     }
 }

@@ -4,12 +4,7 @@ use crate::pool::PoolError;
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-pyo3::create_exception!(
-    gpupool,
-    OutOfMemoryError,
-    PyMemoryError,
-    "The device cannot provide the requested memory."
-);
+pyo3::create_exception!(gpupool, OutOfMemoryError, PyMemoryError, "The device cannot provide the requested memory.");
 
 pub fn value_error(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -32,22 +27,14 @@ pub fn poisoned<T>(_: T) -> PyErr {
 pub fn size_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if !value.is_instance_of::<pyo3::types::PyInt>() {
         let kind = value.get_type().name()?;
-        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-            "{what} must be an int, not {kind}"
-        )));
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {kind}")));
     }
-    let n: i128 = value
-        .extract()
-        .map_err(|_| PyValueError::new_err(format!("{what} {value} is absurdly large")))?;
+    let n: i128 = value.extract().map_err(|_| PyValueError::new_err(format!("{what} {value} is absurdly large")))?;
     if n < 0 {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be non-negative, got {n}"
-        )));
+        return Err(PyValueError::new_err(format!("{what} must be non-negative, got {n}")));
     }
     if n > crate::core::Rules::MAX_REQUEST as i128 {
-        return Err(PyValueError::new_err(format!(
-            "{what} {n} is absurdly large (limit 2**62)"
-        )));
+        return Err(PyValueError::new_err(format!("{what} {n} is absurdly large (limit 2**62)")));
     }
     Ok(n as u64)
 }

@@ -13,10 +13,7 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyPool>()?;
     m.add_class::<device_ptr::PyDevicePtr>()?;
     m.add_class::<device::PyDevice>()?;
-    m.add(
-        "OutOfMemoryError",
-        m.py().get_type::<error::OutOfMemoryError>(),
-    )?;
+    m.add("OutOfMemoryError", m.py().get_type::<error::OutOfMemoryError>())?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     Ok(())
 }

@@ -43,18 +43,17 @@ fn fault_plan(spec: &Bound<'_, PyDict>) -> PyResult<FaultPlan> {
         }
     }
     if let Some(nth) = get("nth")? {
-        let nth: u64 = nth.extract().ok().filter(|n| *n > 0).ok_or_else(|| {
-            value_error("inject_faults: 'nth' must be a positive int (1 = the first segment)")
-        })?;
+        let nth: u64 = nth
+            .extract()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| value_error("inject_faults: 'nth' must be a positive int (1 = the first segment)"))?;
         return Ok(FaultPlan::Nth(nth));
     }
-    let p: f64 = get("probability")?
-        .ok_or_else(|| value_error("inject_faults needs 'nth' or 'probability'"))?
-        .extract()?;
+    let p: f64 =
+        get("probability")?.ok_or_else(|| value_error("inject_faults needs 'nth' or 'probability'"))?.extract()?;
     if !(0.0..=1.0).contains(&p) {
-        return Err(value_error(format!(
-            "inject_faults: 'probability' must be in [0, 1], got {p}"
-        )));
+        return Err(value_error(format!("inject_faults: 'probability' must be in [0, 1], got {p}")));
     }
     let seed: u64 = get("seed")?.map(|s| s.extract()).transpose()?.unwrap_or(0);
     Ok(FaultPlan::Probability { p, seed })
@@ -90,9 +89,7 @@ impl PyPool {
             capacity,
             host_accessible,
         };
-        Ok(PyPool {
-            shared: Arc::new(shared),
-        })
+        Ok(PyPool { shared: Arc::new(shared) })
     }
 
     #[getter]
@@ -174,10 +171,7 @@ impl PyPool {
     }
 
     fn check_invariants(&self) -> PyResult<()> {
-        self.shared
-            .lock()?
-            .check_invariants()
-            .map_err(PyAssertionError::new_err)
+        self.shared.lock()?.check_invariants().map_err(PyAssertionError::new_err)
     }
 
     /// PyTorch's snapshot dict: segments with their blocks, traces, settings.
@@ -195,14 +189,7 @@ impl PyPool {
                 block.set_item("address", b.address)?;
                 block.set_item("size", b.size)?;
                 block.set_item("requested_size", b.requested)?;
-                block.set_item(
-                    "state",
-                    if b.allocated {
-                        "active_allocated"
-                    } else {
-                        "inactive"
-                    },
-                )?;
+                block.set_item("state", if b.allocated { "active_allocated" } else { "inactive" })?;
                 block.set_item("frames", PyList::empty(py))?;
                 blocks.append(block)?;
                 if b.allocated {
