@@ -1,4 +1,4 @@
-"""Shared by the pool tests: PyTorch's size rules, data patterns, and a whole-pool consistency check."""
+"""Shared by the pool tests: PyTorch's size rules, data patterns, a whole-pool consistency check."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def is_small(size: int) -> bool:
 
 
 def segment_size(size: int) -> int:
-    """The segment PyTorch's rules obtain from the device for a request that fits no cached block."""
+    """The segment PyTorch obtains from the device for a request no cached block can serve."""
     block = rounded(size)
     if block <= MiB:
         return 2 * MiB
@@ -59,7 +59,9 @@ def verify(ptr, tag: int, span: int = 4 * KiB) -> None:
     contents = ptr.copy_to_host()
     assert len(contents) == ptr.size
     for offset, data in _pattern(ptr.size, tag, span):
-        assert contents[offset : offset + len(data)] == data, f"allocation {tag} overwritten near {offset}"
+        assert contents[offset : offset + len(data)] == data, (
+            f"allocation {tag} overwritten near {offset}"
+        )
 
 
 def check_pool(pool, live: Iterable) -> None:
@@ -93,7 +95,9 @@ def _check_segments(segments: list[dict]) -> None:
         blocks = sorted(segment["blocks"], key=lambda b: b["address"])
         address = segment["address"]
         for block in blocks:
-            assert block["address"] == address, f"blocks do not tile segment {segment['address']:#x}"
+            assert block["address"] == address, (
+                f"blocks do not tile segment {segment['address']:#x}"
+            )
             address += block["size"]
         assert address == end_of_previous, f"blocks do not tile segment {segment['address']:#x}"
         in_use = [b for b in blocks if b["state"] == "active_allocated"]
@@ -119,7 +123,7 @@ def _check_live(segments: list[dict], live: list) -> None:
         assert ptr.ptr + rounded(ptr.size) <= segment["address"] + segment["total_size"]
         assert segment["segment_type"] == ("small" if is_small(ptr.size) else "large")
     by_address = sorted(live, key=lambda p: p.ptr)
-    for first, second in zip(by_address, by_address[1:]):
+    for first, second in zip(by_address, by_address[1:], strict=False):
         assert first.ptr + rounded(first.size) <= second.ptr, "live allocations overlap"
 
 

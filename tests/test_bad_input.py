@@ -11,6 +11,15 @@ import pytest
 import gpupool
 from pool_checks import MiB, check_pool
 
+OOM_MESSAGE_WORDS = (
+    "capacity",
+    "free",
+    "allocated",
+    "reserved",
+    "largest free block",
+    "fragmentation",
+)
+
 
 @pytest.fixture
 def pool():
@@ -151,6 +160,6 @@ def test_out_of_memory_message_explains_the_state():
     assert isinstance(caught.value, MemoryError)
     message = str(caught.value).lower()
     assert re.search(r"104857600|100(\.0+)? ?mib", message), message
-    for words in ("capacity", "free", "allocated", "reserved", "largest free block", "fragmentation"):
+    for words in OOM_MESSAGE_WORDS:
         assert words in message, f"{words!r} missing from: {message}"
     check_pool(pool, [held])

@@ -6,14 +6,15 @@ import itertools
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 import gpupool
 from pool_checks import MiB, check_pool, drain, segment_size, stamp, verify
 
-# Mostly small requests, as in real workloads, with enough large ones to fill the capacity.
+# Mostly small requests, as in real workloads; a separate rule for big ones fills the capacity.
 SIZES = st.one_of(st.integers(1, 4096), st.integers(1, MiB), st.integers(1, 64 * MiB))
+BIG_SIZES = st.integers(16 * MiB, 64 * MiB)
 
 
 @dataclass
@@ -23,15 +24,16 @@ class Allocation:
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """One pool and the allocations a program holds on it; subclasses choose the device."""
+    """One pool and the allocations a program holds on it; subclasses choose device and settings."""
 
     device = ""
     capacity = 0
+    config = None
     allocations = Bundle("allocations")
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = gpupool.Pool(self.device, capacity=self.capacity)
+        self.pool = gpupool.Pool(self.device, capacity=self.capacity, config=self.config)
         self.live: dict[int, Allocation] = {}
         self.tags = itertools.count()
         # Only host memory can be read and written from Python.
@@ -39,6 +41,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(target=allocations, size=SIZES)
     def alloc(self, size: int):
+        return self._alloc(size)
+
+    @rule(target=allocations, size=BIG_SIZES)
+    def alloc_big(self, size: int):
+        return self._alloc(size)
+
+    def _alloc(self, size: int):
         ooms = self.pool.memory_stats()["num_ooms"]
         try:
             ptr = self.pool.alloc(size)
@@ -47,6 +56,7 @@ class PoolMachine(RuleBasedStateMachine):
             # only if a new segment really does not fit.
             assert self.pool.memory_reserved() + segment_size(size) > self.capacity
             assert self.pool.memory_stats()["num_ooms"] == ooms + 1
+            event("out of memory")
             return multiple()
         assert ptr.size == size and ptr.device == self.device
         allocation = Allocation(ptr, next(self.tags))
@@ -90,7 +100,15 @@ class SimPoolMachine(PoolMachine):
     capacity = 512 * MiB
 
 
+class SplitCappedSimPoolMachine(SimPoolMachine):
+    """Blocks of 32 MiB and more are never split for smaller requests (oversize blocks)."""
+
+    config = "max_split_size_mb:32"
+
+
 TestHostPool = HostPoolMachine.TestCase
-TestHostPool.settings = settings(max_examples=40, stateful_step_count=40)
+TestHostPool.settings = settings(max_examples=150, stateful_step_count=50)
 TestSimPool = SimPoolMachine.TestCase
-TestSimPool.settings = settings(max_examples=80, stateful_step_count=60)
+TestSimPool.settings = settings(max_examples=300, stateful_step_count=80)
+TestSplitCappedSimPool = SplitCappedSimPoolMachine.TestCase
+TestSplitCappedSimPool.settings = TestSimPool.settings

@@ -5,6 +5,9 @@ from typing import Any
 
 from typing_extensions import Buffer
 
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``80GiB``, ``512 MiB``, ``1.5GB`` or ``4096``."""
+
 class OutOfMemoryError(MemoryError):
     """The device refused memory even after the pool released its fully free cached segments."""
 
@@ -50,6 +53,9 @@ class Pool:
     def device(self) -> str: ...
     @property
     def capacity(self) -> int | None: ...
+    @property
+    def config(self) -> list[tuple[str, str]]:
+        """The effective settings as (key, value) pairs."""
     def alloc(self, size: int) -> DevicePtr: ...
     def free(self, ptr: DevicePtr) -> None: ...
     def memory_stats(self) -> dict[str, int]: ...

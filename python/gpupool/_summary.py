@@ -7,7 +7,11 @@ from collections.abc import Callable, Mapping
 WIDTH = 75
 COLUMNS = ("current", "peak", "allocated", "freed")
 COLUMN_TITLES = ("Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed")
-POOLS = (("all", None), ("large_pool", "      from large pool"), ("small_pool", "      from small pool"))
+POOLS = (
+    ("all", None),
+    ("large_pool", "      from large pool"),
+    ("small_pool", "      from small pool"),
+)
 SIZE_UNITS = ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB")
 COUNT_UNITS = (" ", "K", "M")
 
@@ -61,9 +65,9 @@ def _metric_rows(stats: Mapping[str, int], key: str, name: str, fmt: Formatter, 
     for pool, label in pools:
         prefix = f"{key}.{pool}." if pool else f"{key}."
         values = [stats[prefix + column] for column in COLUMNS]
-        if all_values is None:
-            all_values = values
-        rows.append(_row(label or name, [fmt(v, s) for v, s in zip(values, all_values)]))
+        all_values = all_values or values
+        cells = [fmt(value, scale_by) for value, scale_by in zip(values, all_values, strict=True)]
+        rows.append(_row(label or name, cells))
     return rows
 
 
@@ -72,7 +76,8 @@ def format_memory_summary(
 ) -> str:
     """Renders ``Pool.memory_stats()`` as a 75-column table; ``abbreviated`` drops per-pool rows."""
     # Pools without a max_split_size may omit the oversize statistics; they are zero there.
-    stats = {f"{key}.{column}": 0 for key, _, _ in OVERSIZE_METRICS for column in COLUMNS} | dict(stats)
+    oversize_zeros = {f"{key}.{column}": 0 for key, _, _ in OVERSIZE_METRICS for column in COLUMNS}
+    stats = oversize_zeros | dict(stats)
     rule, double_rule = "-" * WIDTH, "=" * WIDTH
     title = "gpupool memory summary" + (f", device {device}" if device else "")
     ooms = f"OOMs: {stats['num_ooms']}"

@@ -151,6 +151,22 @@ impl Bins {
         best.map(|(_, _, id)| id)
     }
 
+    /// Every free block held here, found through the bitmaps (cost grows with the blocks held,
+    /// not with the number of bins).
+    pub fn members(&self, blocks: &[Block]) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.len);
+        let mut bin = self.next_non_empty_bin(0);
+        while let Some(b) = bin {
+            let mut cur = self.heads[b];
+            while cur != NIL {
+                out.push(cur);
+                cur = blocks[cur as usize].bin_next;
+            }
+            bin = self.next_non_empty_bin(b + 1);
+        }
+        out
+    }
+
     /// Every block in every bin, with the bin it is linked in; and whether the bitmaps agree
     /// with the lists.
     pub fn check(&self, blocks: &[Block]) -> Result<Vec<u32>, String> {
@@ -205,6 +221,9 @@ mod tests {
             bin_prev: NIL,
             bin_next: NIL,
             stream: 0,
+            epoch: 0,
+            kind: crate::core::PoolKind::Small,
+            has_uses: false,
             generation: 0,
             state: BlockState::Free,
         }

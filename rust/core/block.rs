@@ -1,12 +1,20 @@
 //! Blocks: pieces of a segment, stored in a slab and linked to their address neighbours by index.
 
+use super::rules::PoolKind;
+
 /// Sentinel index: no neighbour / no bin link.
 pub const NIL: u32 = u32::MAX;
+
+/// The owner of free blocks that any stream may take (see [`Block::stream`]).
+pub const SHARED: u32 = u32::MAX - 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockState {
     Free,
     Allocated,
+    /// Freed by its user but still possibly in use by device work on other streams: not
+    /// reusable, counted as active.
+    Pending,
 }
 
 /// One piece of a segment. `prev`/`next` are its address neighbours inside the same segment
@@ -22,7 +30,16 @@ pub struct Block {
     pub next: u32,
     pub bin_prev: u32,
     pub bin_next: u32,
+    /// Allocated or pending: the stream it was allocated on. Free: its owner, the stream that
+    /// may reuse it at once (stream order protects it), or [`SHARED`] once no stream's queued
+    /// work can touch it.
     pub stream: u32,
+    /// Free and owned by a stream: that stream's fence epoch when it was freed; a completed
+    /// fence of a later or equal epoch makes it [`SHARED`].
+    pub epoch: u32,
+    pub kind: PoolKind,
+    /// Other streams recorded a use of this allocated block (`record_stream`).
+    pub has_uses: bool,
     /// Bumped on every free, so a stale [`Handle`] (a double free) is detected in O(1).
     pub generation: u32,
     pub state: BlockState,

@@ -1,24 +1,30 @@
-//! The heap: segments tiled by blocks, free blocks indexed by bins, split on allocation and
-//! coalesced with both address neighbours on free.
+//! The heap: segments tiled by blocks, free blocks indexed by bins per owner, split on
+//! allocation and coalesced with address neighbours on free.
+//!
+//! Free blocks belong to an owner: the stream that freed them (it may reuse them at once, its
+//! own order protects them) or [`SHARED`] (no queued work can touch them; any stream may take
+//! them). A stream's blocks become shared when a fence (an event the pool records on that stream)
+//! completes: [`Heap::fence`] and [`Heap::promote`]. Neighbours merge when their owners agree or
+//! one of them is shared; blocks of two different streams stay apart.
 
 use super::bins::Bins;
-use super::block::{Block, BlockState, Handle, NIL};
+use super::block::{Block, BlockState, Handle, NIL, SHARED};
 use super::rules::{PoolKind, Rules};
-use super::stats::{Metric, StatType, Stats};
-use std::collections::HashSet;
+use super::stats::{Metric, Stats};
 use std::fmt;
 
 pub type SegmentId = u32;
 
 #[derive(Clone, Debug)]
-struct Segment {
-    address: u64,
-    size: u64,
-    kind: PoolKind,
-    stream: u32,
+pub(super) struct Segment {
+    pub address: u64,
+    pub size: u64,
+    pub kind: PoolKind,
+    /// The stream the segment was first allocated for (reported in snapshots).
+    pub stream: u32,
     /// The lowest-address block. Splits keep the lower half's index and merges keep the lower
     /// block's index, so the head never changes while the segment lives.
-    head: u32,
+    pub head: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,7 +50,7 @@ pub struct BlockInfo {
     pub address: u64,
     pub size: u64,
     pub requested: u64,
-    pub allocated: bool,
+    pub state: BlockState,
 }
 
 /// A segment as a snapshot sees it, with its blocks in address order.
@@ -57,16 +63,26 @@ pub struct SegmentInfo {
     pub blocks: Vec<BlockInfo>,
 }
 
+/// Per stream: the epoch its next free gets, and whether frees happened since the last fence.
+#[derive(Clone, Copy, Debug, Default)]
+struct Epoch {
+    current: u32,
+    unfenced: bool,
+}
+
 #[derive(Clone, Debug)]
 pub struct Heap {
-    rules: Rules,
-    blocks: Vec<Block>,
-    unused_blocks: Vec<u32>,
-    segments: Vec<Option<Segment>>,
+    pub(super) rules: Rules,
+    pub(super) blocks: Vec<Block>,
+    pub(super) unused_blocks: Vec<u32>,
+    pub(super) segments: Vec<Option<Segment>>,
     unused_segments: Vec<u32>,
-    /// Free blocks per stream, then per pool kind.
-    bins: Vec<[Bins; 2]>,
-    stats: Stats,
+    /// Free blocks owned by each stream, then by pool kind.
+    pub(super) private: Vec<[Bins; 2]>,
+    /// Free blocks any stream may take, by pool kind.
+    pub(super) shared: [Bins; 2],
+    epochs: Vec<Epoch>,
+    pub(super) stats: Stats,
 }
 
 impl Heap {
@@ -77,7 +93,9 @@ impl Heap {
             unused_blocks: Vec::new(),
             segments: Vec::new(),
             unused_segments: Vec::new(),
-            bins: Vec::new(),
+            private: Vec::new(),
+            shared: Default::default(),
+            epochs: Vec::new(),
             stats: Stats::default(),
         }
     }
@@ -94,16 +112,31 @@ impl Heap {
         &mut self.stats
     }
 
-    fn bin_insert(&mut self, stream: u32, kind: PoolKind, id: u32) {
-        let s = stream as usize;
-        if s >= self.bins.len() {
-            self.bins.resize_with(s + 1, Default::default);
+    fn bins(&self, owner: u32) -> Option<&[Bins; 2]> {
+        if owner == SHARED {
+            Some(&self.shared)
+        } else {
+            self.private.get(owner as usize)
         }
-        self.bins[s][kind.index()].insert(&mut self.blocks, id);
     }
 
-    fn bin_remove(&mut self, stream: u32, kind: PoolKind, id: u32) {
-        self.bins[stream as usize][kind.index()].remove(&mut self.blocks, id);
+    fn bin_insert(&mut self, id: u32) {
+        let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
+        let bins = if owner == SHARED {
+            &mut self.shared
+        } else {
+            if owner as usize >= self.private.len() {
+                self.private.resize_with(owner as usize + 1, Default::default);
+            }
+            &mut self.private[owner as usize]
+        };
+        bins[kind.index()].insert(&mut self.blocks, id);
+    }
+
+    fn bin_remove(&mut self, id: u32) {
+        let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
+        let bins = if owner == SHARED { &mut self.shared } else { &mut self.private[owner as usize] };
+        bins[kind.index()].remove(&mut self.blocks, id);
     }
 
     fn new_block(&mut self, block: Block) -> u32 {
@@ -128,7 +161,7 @@ impl Heap {
         self.unused_blocks.push(id);
     }
 
-    /// Registers a fresh device allocation as one free block.
+    /// Registers a fresh device allocation for `stream` as one free block owned by it.
     pub fn add_segment(&mut self, address: u64, size: u64, kind: PoolKind, stream: u32) -> SegmentId {
         let segment = Segment { address, size, kind, stream, head: NIL };
         let sid = match self.unused_segments.pop() {
@@ -151,52 +184,73 @@ impl Heap {
             bin_prev: NIL,
             bin_next: NIL,
             stream,
+            epoch: 0,
+            kind,
+            has_uses: false,
             generation: 0,
             state: BlockState::Free,
         });
         if let Some(seg) = self.segments[sid as usize].as_mut() {
             seg.head = head;
         }
-        self.bin_insert(stream, kind, head);
+        self.bin_insert(head);
         self.stats.increase(Metric::Segment, kind, 1);
         self.stats.increase(Metric::ReservedBytes, kind, size);
         sid
     }
 
-    /// Hands out a cached block for `requested` bytes on `stream`, splitting off the unused
-    /// tail when the rules say so. `None` when no cached block fits.
-    pub fn take(&mut self, requested: u64, stream: u32) -> Option<Handle> {
+    /// A cached block owned by `owner` that fits `requested` bytes.
+    pub fn find(&self, requested: u64, owner: u32) -> Option<u32> {
         let rounded = self.rules.round(requested);
         let kind = self.rules.kind(rounded);
-        let max_block = self.rules.max_block_for(rounded);
-        let bins = &self.bins.get(stream as usize)?[kind.index()];
-        let id = bins.find(&self.blocks, rounded, max_block)?;
-        Some(self.take_block(id, requested, kind))
+        let bins = &self.bins(owner)?[kind.index()];
+        if bins.is_empty() {
+            return None;
+        }
+        bins.find(&self.blocks, rounded, self.rules.max_block_for(rounded))
+    }
+
+    /// A cached block owned by a stream other than `stream` (nor shared) that fits, with its
+    /// owner: the candidates for reuse after making `stream` wait on the owner.
+    pub fn find_foreign(&self, requested: u64, stream: u32) -> Option<(u32, u32)> {
+        (0..self.private.len() as u32)
+            .filter(|&owner| owner != stream)
+            .filter_map(|owner| self.find(requested, owner).map(|id| (id, owner)))
+            .min_by_key(|&(id, _)| (self.blocks[id as usize].size, self.blocks[id as usize].address))
+    }
+
+    /// Hands out a cached block (the stream's own, else a shared one if `shared` is allowed),
+    /// splitting off the unused tail when the rules say so. `None` when nothing fits.
+    pub fn take(&mut self, requested: u64, stream: u32, shared: bool) -> Option<Handle> {
+        let id = self.find(requested, stream).or_else(|| if shared { self.find(requested, SHARED) } else { None })?;
+        Some(self.take_block(id, requested, stream))
     }
 
     /// Hands out the head of a fresh segment (which may exceed `max_split_size`: it was made
     /// for this request).
-    pub fn take_segment(&mut self, sid: SegmentId, requested: u64) -> Handle {
-        let seg = self.segment(sid);
-        let (head, kind) = (seg.head, seg.kind);
-        self.take_block(head, requested, kind)
+    pub fn take_segment(&mut self, sid: SegmentId, requested: u64, stream: u32) -> Handle {
+        let head = self.segment(sid).head;
+        self.take_block(head, requested, stream)
     }
 
-    fn take_block(&mut self, id: u32, requested: u64, kind: PoolKind) -> Handle {
+    /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign`]) to `stream`.
+    pub fn take_block(&mut self, id: u32, requested: u64, stream: u32) -> Handle {
         let rounded = self.rules.round(requested);
-        let stream = self.blocks[id as usize].stream;
-        self.bin_remove(stream, kind, id);
+        self.bin_remove(id);
         let block = &self.blocks[id as usize];
+        let kind = block.kind;
         if block.is_split() {
             self.stats.decrease(Metric::InactiveSplit, kind, 1);
             self.stats.decrease(Metric::InactiveSplitBytes, kind, block.size);
         }
         if self.rules.should_split(kind, block.size, rounded) {
-            self.split(id, rounded, kind);
+            self.split(id, rounded);
         }
         let block = &mut self.blocks[id as usize];
         block.state = BlockState::Allocated;
         block.requested = requested;
+        block.stream = stream;
+        block.has_uses = false;
         let (size, generation) = (block.size, block.generation);
         self.stats.increase(Metric::Allocation, kind, 1);
         self.stats.increase(Metric::Active, kind, 1);
@@ -206,8 +260,8 @@ impl Heap {
         Handle { index: id, generation }
     }
 
-    /// Cuts block `id` to `size` bytes; the tail becomes a free block in the same bins.
-    fn split(&mut self, id: u32, size: u64, kind: PoolKind) {
+    /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.
+    fn split(&mut self, id: u32, size: u64) {
         let b = self.blocks[id as usize].clone();
         let tail = self.new_block(Block {
             address: b.address + size,
@@ -225,10 +279,9 @@ impl Heap {
         let block = &mut self.blocks[id as usize];
         block.next = tail;
         block.size = size;
-        let tail_size = b.size - size;
-        self.bin_insert(b.stream, kind, tail);
-        self.stats.increase(Metric::InactiveSplit, kind, 1);
-        self.stats.increase(Metric::InactiveSplitBytes, kind, tail_size);
+        self.bin_insert(tail);
+        self.stats.increase(Metric::InactiveSplit, b.kind, 1);
+        self.stats.increase(Metric::InactiveSplitBytes, b.kind, b.size - size);
     }
 
     /// The allocated block a handle names.
@@ -240,81 +293,189 @@ impl Heap {
         Ok(b)
     }
 
-    /// Returns an allocated block to the bins, merging it with free neighbours.
-    pub fn release(&mut self, handle: Handle) -> Result<(), HeapError> {
-        let b = self.block(handle)?;
-        let (size, requested, segment) = (b.size, b.requested, b.segment);
-        let kind = self.segment(segment).kind;
-        self.stats.decrease(Metric::Allocation, kind, 1);
-        self.stats.decrease(Metric::Active, kind, 1);
-        self.stats.decrease(Metric::AllocatedBytes, kind, size);
-        self.stats.decrease(Metric::ActiveBytes, kind, size);
-        self.stats.decrease(Metric::RequestedBytes, kind, requested);
+    /// Notes that other streams use this allocated block, so its free must wait for them.
+    pub fn mark_uses(&mut self, handle: Handle) -> Result<(), HeapError> {
+        self.block(handle)?;
+        self.blocks[handle.index as usize].has_uses = true;
+        Ok(())
+    }
 
-        let mut id = handle.index;
-        let block = &mut self.blocks[id as usize];
-        block.state = BlockState::Free;
+    /// Ends an allocation: the user no longer holds the block.
+    fn end_allocation(&mut self, handle: Handle) -> Result<u32, HeapError> {
+        let b = self.block(handle)?;
+        let (size, requested, kind) = (b.size, b.requested, b.kind);
+        self.stats.decrease(Metric::Allocation, kind, 1);
+        self.stats.decrease(Metric::AllocatedBytes, kind, size);
+        self.stats.decrease(Metric::RequestedBytes, kind, requested);
+        let block = &mut self.blocks[handle.index as usize];
         block.requested = 0;
         block.generation = block.generation.wrapping_add(1);
-        let (prev, next) = (block.prev, block.next);
-        if next != NIL && self.blocks[next as usize].state == BlockState::Free {
-            self.unbin_free_neighbour(next, kind);
-            self.absorb_next(id);
+        Ok(handle.index)
+    }
+
+    /// Returns an allocated block to its stream's bins, merging it with free neighbours.
+    pub fn release(&mut self, handle: Handle) -> Result<(), HeapError> {
+        let id = self.end_allocation(handle)?;
+        self.make_free(id);
+        Ok(())
+    }
+
+    /// Frees a block whose device work on other streams may not have finished: it stays
+    /// active (not reusable) until [`Heap::complete_pending`]. Returns its slab index.
+    pub fn release_pending(&mut self, handle: Handle) -> Result<u32, HeapError> {
+        let id = self.end_allocation(handle)?;
+        self.blocks[id as usize].state = BlockState::Pending;
+        Ok(id)
+    }
+
+    /// The events a pending block waited for have completed: it becomes free.
+    pub fn complete_pending(&mut self, id: u32) {
+        debug_assert_eq!(self.blocks[id as usize].state, BlockState::Pending);
+        self.make_free(id);
+    }
+
+    /// Turns allocated-or-pending block `id` into a free block of its stream and bins it.
+    fn make_free(&mut self, id: u32) {
+        let block = &mut self.blocks[id as usize];
+        let (kind, size, stream) = (block.kind, block.size, block.stream);
+        block.state = BlockState::Free;
+        block.has_uses = false;
+        self.stats.decrease(Metric::Active, kind, 1);
+        self.stats.decrease(Metric::ActiveBytes, kind, size);
+        if stream != SHARED {
+            let e = self.epoch_mut(stream);
+            e.unfenced = true;
+            let epoch = e.current;
+            self.blocks[id as usize].epoch = epoch;
         }
-        if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
-            self.unbin_free_neighbour(prev, kind);
-            self.absorb_next(prev);
+        self.coalesce_and_bin(id);
+    }
+
+    fn epoch_mut(&mut self, stream: u32) -> &mut Epoch {
+        if stream as usize >= self.epochs.len() {
+            self.epochs.resize(stream as usize + 1, Epoch::default());
+        }
+        &mut self.epochs[stream as usize]
+    }
+
+    /// Merges free, unbinned block `id` with free neighbours of the same owner, or shared ones
+    /// (which become the block's owner's: stricter, so still safe), then bins the result.
+    /// A shared block never absorbs a stream's block: that would hide the stream's block from
+    /// its owner's bins for nothing.
+    fn coalesce_and_bin(&mut self, mut id: u32) {
+        let b = &self.blocks[id as usize];
+        let (prev, next, owner) = (b.prev, b.next, b.stream);
+        if next != NIL && self.mergeable(owner, next) {
+            self.unbin_free_neighbour(next);
+            self.absorb_next(id, owner);
+        }
+        if prev != NIL && self.mergeable(owner, prev) {
+            self.unbin_free_neighbour(prev);
+            self.absorb_next(prev, owner);
             id = prev;
         }
         let block = &self.blocks[id as usize];
         if block.is_split() {
-            self.stats.increase(Metric::InactiveSplit, kind, 1);
-            self.stats.increase(Metric::InactiveSplitBytes, kind, block.size);
+            self.stats.increase(Metric::InactiveSplit, block.kind, 1);
+            self.stats.increase(Metric::InactiveSplitBytes, block.kind, block.size);
         }
-        let stream = block.stream;
-        self.bin_insert(stream, kind, id);
-        Ok(())
+        self.bin_insert(id);
+    }
+
+    fn mergeable(&self, owner: u32, neighbour: u32) -> bool {
+        let n = &self.blocks[neighbour as usize];
+        n.state == BlockState::Free && (n.stream == owner || n.stream == SHARED)
     }
 
     /// Takes a free neighbour (necessarily split, so counted as inactive split) out of its bin
     /// before it is merged.
-    fn unbin_free_neighbour(&mut self, id: u32, kind: PoolKind) {
-        let (stream, size) = (self.blocks[id as usize].stream, self.blocks[id as usize].size);
-        self.bin_remove(stream, kind, id);
+    fn unbin_free_neighbour(&mut self, id: u32) {
+        let (kind, size) = (self.blocks[id as usize].kind, self.blocks[id as usize].size);
+        self.bin_remove(id);
         self.stats.decrease(Metric::InactiveSplit, kind, 1);
         self.stats.decrease(Metric::InactiveSplitBytes, kind, size);
     }
 
-    /// Merges the block after `id` into `id`; both are out of the bins.
-    fn absorb_next(&mut self, id: u32) {
+    /// Merges the block after `id` into `id`; both are out of the bins. The result belongs to
+    /// `owner` and keeps the later epoch.
+    fn absorb_next(&mut self, id: u32, owner: u32) {
         let next = self.blocks[id as usize].next;
-        let (after, next_size) = (self.blocks[next as usize].next, self.blocks[next as usize].size);
+        let n = &self.blocks[next as usize];
+        let (after, next_size, next_epoch) = (n.next, n.size, n.epoch);
         let block = &mut self.blocks[id as usize];
         block.size += next_size;
         block.next = after;
+        block.stream = owner;
+        block.epoch = block.epoch.max(next_epoch);
         if after != NIL {
             self.blocks[after as usize].prev = id;
         }
         self.drop_block(next);
     }
 
-    fn segment(&self, sid: u32) -> &Segment {
+    /// Starts a fence on `stream` if it freed blocks since its last one: returns the epoch the
+    /// fence covers (record a device event now; pass the epoch to `promote` once it completes).
+    pub fn fence(&mut self, stream: u32) -> Option<u32> {
+        let e = self.epochs.get_mut(stream as usize).filter(|e| e.unfenced)?;
+        e.unfenced = false;
+        e.current += 1;
+        Some(e.current - 1)
+    }
+
+    /// Streams that freed blocks since their last fence.
+    pub fn unfenced_streams(&self) -> impl Iterator<Item = u32> + '_ {
+        self.epochs.iter().enumerate().filter(|(_, e)| e.unfenced).map(|(s, _)| s as u32)
+    }
+
+    /// A fence on `stream` covering `epoch` completed: its blocks freed up to then are shared.
+    pub fn promote(&mut self, stream: u32, epoch: u32) {
+        let Some(bins) = self.private.get(stream as usize) else { return };
+        let members: Vec<u32> = bins.iter().flat_map(|b| b.members(&self.blocks)).collect();
+        for id in members {
+            // An earlier promotion in this loop may have merged this block away.
+            let b = &self.blocks[id as usize];
+            if b.state != BlockState::Free || b.stream != stream || b.epoch > epoch {
+                continue;
+            }
+            self.unbin_counted(id);
+            self.blocks[id as usize].stream = SHARED;
+            self.coalesce_and_bin(id);
+        }
+    }
+
+    /// Unbins a free block and takes it out of the inactive-split count (re-added on binning).
+    fn unbin_counted(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        if b.is_split() {
+            self.stats.decrease(Metric::InactiveSplit, b.kind, 1);
+            self.stats.decrease(Metric::InactiveSplitBytes, b.kind, b.size);
+        }
+        self.bin_remove(id);
+    }
+
+    /// A destroyed stream's blocks are safe for everyone (it was synchronized first).
+    pub fn retire_stream(&mut self, stream: u32) {
+        self.promote(stream, u32::MAX);
+        if let Some(e) = self.epochs.get_mut(stream as usize) {
+            e.unfenced = false;
+        }
+    }
+
+    pub(super) fn segment(&self, sid: u32) -> &Segment {
         self.segments[sid as usize].as_ref().expect("block of a released segment")
     }
 
-    /// Removes every segment that is one free block and for which `want` says yes; returns
-    /// their (address, size) so the caller can give them back to the device.
-    pub fn release_free_segments(&mut self, mut want: impl FnMut(u64, u64) -> bool) -> Vec<(u64, u64)> {
+    /// Removes every segment that is one free block; returns their (address, size) so the
+    /// caller can give them back to the device.
+    pub fn release_free_segments(&mut self) -> Vec<(u64, u64)> {
         let mut released = Vec::new();
         for sid in 0..self.segments.len() {
-            let Some(seg) = self.segments[sid].clone() else {
-                continue;
-            };
+            let Some(seg) = self.segments[sid].clone() else { continue };
             let head = &self.blocks[seg.head as usize];
-            if head.state != BlockState::Free || head.next != NIL || !want(seg.address, seg.size) {
+            if head.state != BlockState::Free || head.next != NIL {
                 continue;
             }
-            self.bin_remove(seg.stream, seg.kind, seg.head);
+            self.bin_remove(seg.head);
             self.drop_block(seg.head);
             self.segments[sid] = None;
             self.unused_segments.push(sid as u32);
@@ -329,22 +490,23 @@ impl Heap {
     pub fn largest_free_block(&self) -> u64 {
         self.live_segments()
             .flat_map(|seg| self.blocks_of(seg))
-            .filter(|b| b.state == BlockState::Free)
-            .map(|b| b.size)
+            .filter(|(_, b)| b.state == BlockState::Free)
+            .map(|(_, b)| b.size)
             .max()
             .unwrap_or(0)
     }
 
-    fn live_segments(&self) -> impl Iterator<Item = &Segment> {
+    pub(super) fn live_segments(&self) -> impl Iterator<Item = &Segment> {
         self.segments.iter().flatten()
     }
 
-    fn blocks_of<'a>(&'a self, seg: &Segment) -> impl Iterator<Item = &'a Block> + 'a {
+    pub(super) fn blocks_of<'a>(&'a self, seg: &Segment) -> impl Iterator<Item = (u32, &'a Block)> + 'a {
         let mut cur = seg.head;
         std::iter::from_fn(move || {
-            let b = self.blocks.get(cur as usize)?;
+            let id = cur;
+            let b = self.blocks.get(id as usize)?;
             cur = b.next;
-            Some(b)
+            Some((id, b))
         })
     }
 
@@ -359,101 +521,11 @@ impl Heap {
                 stream: seg.stream,
                 blocks: self
                     .blocks_of(seg)
-                    .map(|b| BlockInfo {
-                        address: b.address,
-                        size: b.size,
-                        requested: b.requested,
-                        allocated: b.state == BlockState::Allocated,
-                    })
+                    .map(|(_, b)| BlockInfo { address: b.address, size: b.size, requested: b.requested, state: b.state })
                     .collect(),
             })
             .collect();
         out.sort_by_key(|s| s.address);
         out
-    }
-
-    /// Verifies every structural invariant and that the statistics equal a recount.
-    pub fn check_invariants(&self) -> Result<(), String> {
-        let mut recount = Stats::default();
-        let mut free_in_segments = HashSet::new();
-        let mut live_blocks = 0usize;
-        for (sid, seg) in self.segments.iter().enumerate() {
-            let Some(seg) = seg else { continue };
-            recount.increase(Metric::Segment, seg.kind, 1);
-            recount.increase(Metric::ReservedBytes, seg.kind, seg.size);
-            let (mut expected_address, mut prev, mut prev_free) = (seg.address, NIL, false);
-            for (i, b) in self.blocks_of(seg).enumerate() {
-                let id = if i == 0 { seg.head } else { self.blocks[prev as usize].next };
-                if b.segment != sid as u32 || b.prev != prev || b.stream != seg.stream {
-                    return Err(format!("block {id} is mislinked in segment {sid}"));
-                }
-                if b.address != expected_address || b.size == 0 {
-                    return Err(format!("segment {sid} is not tiled exactly at {:#x}", b.address));
-                }
-                let free = b.state == BlockState::Free;
-                if free && prev_free {
-                    return Err(format!("adjacent free blocks at {:#x} were not coalesced", b.address));
-                }
-                if free {
-                    free_in_segments.insert(id);
-                    if b.is_split() {
-                        recount.increase(Metric::InactiveSplit, seg.kind, 1);
-                        recount.increase(Metric::InactiveSplitBytes, seg.kind, b.size);
-                    }
-                } else {
-                    for (metric, amount) in [
-                        (Metric::Allocation, 1),
-                        (Metric::Active, 1),
-                        (Metric::AllocatedBytes, b.size),
-                        (Metric::ActiveBytes, b.size),
-                        (Metric::RequestedBytes, b.requested),
-                    ] {
-                        recount.increase(metric, seg.kind, amount);
-                    }
-                }
-                expected_address = b.end();
-                prev = id;
-                prev_free = free;
-                live_blocks += 1;
-            }
-            if expected_address != seg.address + seg.size {
-                return Err(format!("blocks of segment {sid} do not reach its end"));
-            }
-        }
-        if live_blocks + self.unused_blocks.len() != self.blocks.len() {
-            return Err("block slab leaks entries".into());
-        }
-        let mut binned = HashSet::new();
-        for (stream, pair) in self.bins.iter().enumerate() {
-            for kind in PoolKind::ALL {
-                for id in pair[kind.index()].check(&self.blocks)? {
-                    let b = &self.blocks[id as usize];
-                    if b.state != BlockState::Free || b.stream != stream as u32 || self.segment(b.segment).kind != kind
-                    {
-                        return Err(format!("block {id} sits in the wrong bins"));
-                    }
-                    if !binned.insert(id) {
-                        return Err(format!("block {id} is binned twice"));
-                    }
-                }
-            }
-        }
-        if binned != free_in_segments {
-            return Err("the free blocks and the binned blocks differ".into());
-        }
-        if recount.currents() != self.stats.currents() {
-            return Err(format!(
-                "statistics disagree with a recount: kept {:?}, recounted {:?}",
-                self.stats.currents(),
-                recount.currents()
-            ));
-        }
-        for metric in [Metric::Allocation, Metric::AllocatedBytes, Metric::ReservedBytes] {
-            let s = self.stats.get(metric, StatType::All);
-            if s.peak < s.current || s.allocated - s.freed != s.current {
-                return Err(format!("{} counters are inconsistent: {s:?}", metric.name()));
-            }
-        }
-        Ok(())
     }
 }

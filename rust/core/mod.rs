@@ -5,12 +5,13 @@
 
 mod bins;
 mod block;
+mod check;
 mod heap;
 mod rules;
 mod stats;
 
 pub use bins::{bin_index, Bins, BIN_COUNT};
-pub use block::{Block, BlockState, Handle, NIL};
+pub use block::{Block, BlockState, Handle, NIL, SHARED};
 pub use heap::{BlockInfo, Heap, HeapError, SegmentId, SegmentInfo};
 pub use rules::{PoolKind, Rules};
 pub use stats::{Metric, Stat, StatType, Stats};

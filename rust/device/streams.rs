@@ -19,6 +19,8 @@ struct StreamState {
 struct EventState {
     stream: StreamId,
     completed: bool,
+    /// Destroyed while pending: invisible to callers, but streams waiting on it still wait.
+    destroyed: bool,
 }
 
 #[derive(Debug)]
@@ -43,7 +45,7 @@ impl SimStreams {
     }
 
     fn event(&self, e: EventId) -> Result<EventState, DeviceError> {
-        self.events.get(&e).copied().ok_or(DeviceError::InvalidEvent(e))
+        self.events.get(&e).copied().filter(|ev| !ev.destroyed).ok_or(DeviceError::InvalidEvent(e))
     }
 
     pub fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
@@ -82,7 +84,7 @@ impl SimStreams {
         let completed = !self.busy(s)?;
         let e = self.next_event;
         self.next_event += 1;
-        self.events.insert(e, EventState { stream: s, completed });
+        self.events.insert(e, EventState { stream: s, completed, destroyed: false });
         Ok(e)
     }
 
@@ -99,8 +101,15 @@ impl SimStreams {
         Ok(())
     }
 
+    /// As with CUDA, destroying an event that streams wait on does not cancel the wait.
     pub fn destroy_event(&mut self, e: EventId) -> Result<(), DeviceError> {
-        self.events.remove(&e).map(|_| ()).ok_or(DeviceError::InvalidEvent(e))
+        let ev = self.event(e)?;
+        if ev.completed {
+            self.events.remove(&e);
+        } else if let Some(ev) = self.events.get_mut(&e) {
+            ev.destroyed = true;
+        }
+        Ok(())
     }
 
     pub fn query_stream(&mut self, s: StreamId) -> Result<bool, DeviceError> {
@@ -121,6 +130,7 @@ impl SimStreams {
         for ev in self.events.values_mut().filter(|ev| ev.stream == s) {
             ev.completed = true;
         }
+        self.events.retain(|_, ev| !ev.destroyed);
         Ok(())
     }
 

@@ -14,16 +14,33 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-/// The effective settings of a pool.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Config {
-    pub rules: Rules,
+/// When a block freed on one stream may serve another.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CrossStreamReuse {
+    /// Never (PyTorch): a block only ever serves the stream it was allocated on.
+    Never,
+    /// Once an event recorded on its stream after the free has completed.
+    #[default]
+    Completed,
+    /// At once, after making the requesting stream wait on such an event (RMM).
+    Wait,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config { rules: Rules::default() }
+impl CrossStreamReuse {
+    pub fn name(self) -> &'static str {
+        match self {
+            CrossStreamReuse::Never => "never",
+            CrossStreamReuse::Completed => "completed",
+            CrossStreamReuse::Wait => "wait",
+        }
     }
+}
+
+/// The effective settings of a pool.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Config {
+    pub rules: Rules,
+    pub cross_stream_reuse: CrossStreamReuse,
 }
 
 const MIB: u64 = 1 << 20;
@@ -47,6 +64,18 @@ impl Config {
                 }
                 "max_non_split_rounding_mb" => {
                     config.rules.max_non_split_rounding = parse_u64(key, value)? * MIB;
+                }
+                "cross_stream_reuse" => {
+                    config.cross_stream_reuse = match value {
+                        "never" => CrossStreamReuse::Never,
+                        "completed" => CrossStreamReuse::Completed,
+                        "wait" => CrossStreamReuse::Wait,
+                        _ => {
+                            return Err(ConfigError(format!(
+                                "config key 'cross_stream_reuse' must be never, completed or wait, got '{value}'"
+                            )))
+                        }
+                    }
                 }
                 _ => return Err(ConfigError(format!("unknown config key '{key}'"))),
             }
@@ -90,6 +119,8 @@ mod tests {
         assert!(Config::parse("max_split_size_mb:x").unwrap_err().0.contains("max_split_size_mb"));
         assert!(Config::parse("max_split_size_mb:4").unwrap_err().0.contains("max_split_size_mb"));
         assert!(Config::parse("max_split_size_mb").unwrap_err().0.contains("key:value"));
+        assert_eq!(Config::parse("cross_stream_reuse:wait").unwrap().cross_stream_reuse, CrossStreamReuse::Wait);
+        assert!(Config::parse("cross_stream_reuse:often").unwrap_err().0.contains("cross_stream_reuse"));
     }
 }
 

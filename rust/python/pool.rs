@@ -3,9 +3,9 @@
 use super::device::{capacity_arg, open_device};
 use super::device_ptr::PyDevicePtr;
 use super::error::{poisoned, pool_error, size_arg, value_error};
-use crate::core::{Metric, StatType};
+use crate::core::{BlockState, Metric, StatType};
 use crate::device::{Device, FaultPlan, Faulty};
-use crate::pool::{Config, Pool};
+use crate::pool::{Config, Pool, DEFAULT_STREAM};
 use pyo3::exceptions::PyAssertionError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -57,6 +57,15 @@ fn fault_plan(spec: &Bound<'_, PyDict>) -> PyResult<FaultPlan> {
     }
     let seed: u64 = get("seed")?.map(|s| s.extract()).transpose()?.unwrap_or(0);
     Ok(FaultPlan::Probability { p, seed })
+}
+
+/// PyTorch's block state strings (torch/csrc/cuda/memory_snapshot.cpp).
+fn block_state(state: BlockState) -> &'static str {
+    match state {
+        BlockState::Allocated => "active_allocated",
+        BlockState::Pending => "active_pending_free",
+        BlockState::Free => "inactive",
+    }
 }
 
 impl PyPool {
@@ -114,7 +123,7 @@ impl PyPool {
             return Ok(PyDevicePtr::empty(self.shared.clone()));
         }
         // The cache answers without the device: keep the GIL, it is cheaper than a release.
-        let cached = self.shared.lock()?.alloc_cached(size).map_err(pool_error)?;
+        let cached = self.shared.lock()?.alloc_cached(size, DEFAULT_STREAM).map_err(pool_error)?;
         let allocation = match cached {
             Some(a) => a,
             None => py.detach(|| self.shared.lock()?.alloc(size).map_err(pool_error))?,
@@ -183,18 +192,23 @@ impl PyPool {
         let list = PyList::empty(py);
         for seg in segments {
             let blocks = PyList::empty(py);
-            let (mut allocated, mut requested) = (0, 0);
+            let (mut allocated, mut active, mut requested) = (0, 0, 0);
             for b in &seg.blocks {
                 let block = PyDict::new(py);
                 block.set_item("address", b.address)?;
                 block.set_item("size", b.size)?;
                 block.set_item("requested_size", b.requested)?;
-                block.set_item("state", if b.allocated { "active_allocated" } else { "inactive" })?;
+                block.set_item("state", block_state(b.state))?;
                 block.set_item("frames", PyList::empty(py))?;
                 blocks.append(block)?;
-                if b.allocated {
-                    allocated += b.size;
-                    requested += b.requested;
+                match b.state {
+                    BlockState::Allocated => {
+                        allocated += b.size;
+                        active += b.size;
+                        requested += b.requested;
+                    }
+                    BlockState::Pending => active += b.size,
+                    BlockState::Free => {}
                 }
             }
             let d = PyDict::new(py);
@@ -202,7 +216,7 @@ impl PyPool {
             d.set_item("address", seg.address)?;
             d.set_item("total_size", seg.size)?;
             d.set_item("allocated_size", allocated)?;
-            d.set_item("active_size", allocated)?;
+            d.set_item("active_size", active)?;
             d.set_item("requested_size", requested)?;
             d.set_item("stream", seg.stream)?;
             d.set_item("segment_type", seg.kind.name())?;

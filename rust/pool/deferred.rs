@@ -1,0 +1,131 @@
+//! Deferred frees and fences: the events that decide when freed memory may be reused.
+//!
+//! Two kinds of waiting, both polled cheaply (one branch when nothing waits):
+//! - a block with uses recorded on other streams is *pending* until an event recorded on each
+//!   of those streams at free time completes;
+//! - a stream's freed blocks become shared (usable by every stream) when a *fence*, one event
+//!   recorded on that stream covering every block it freed before, completes. Fences are recorded
+//!   lazily, only when another stream finds nothing in its own bins.
+//!
+//! Events on one stream complete in order, so each queue is checked from its front and the
+//! first pending event stops the scan, as PyTorch does.
+
+use crate::core::Heap;
+use crate::device::{Device, DeviceError, EventId, StreamId};
+use std::collections::{HashMap, VecDeque};
+
+#[derive(Debug, Default)]
+pub struct Deferred {
+    /// Per stream: events recorded for pending blocks, with the block's slab index.
+    pending: HashMap<StreamId, VecDeque<(EventId, u32)>>,
+    /// Events still outstanding per pending block.
+    remaining: HashMap<u32, u32>,
+    /// Per stream: fence events with the epoch each covers.
+    fences: HashMap<StreamId, VecDeque<(EventId, u32)>>,
+    /// Uses recorded on allocated blocks, by slab index.
+    uses: HashMap<u32, Vec<StreamId>>,
+    /// Events not yet completed in `pending` and `fences`; zero makes polling free.
+    outstanding: usize,
+}
+
+impl Deferred {
+    pub fn is_idle(&self) -> bool {
+        self.outstanding == 0
+    }
+
+    pub fn add_use(&mut self, block: u32, stream: StreamId) {
+        let uses = self.uses.entry(block).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+    }
+
+    /// Bytes-free bookkeeping for a block freed while other streams used it: records an event
+    /// on each use stream. Returns false when nothing is left to wait for.
+    pub fn defer<D: Device>(&mut self, device: &mut D, block: u32) -> Result<bool, DeviceError> {
+        let mut count = 0;
+        for stream in self.uses.remove(&block).unwrap_or_default() {
+            match device.record_event(stream) {
+                Ok(event) => {
+                    self.pending.entry(stream).or_default().push_back((event, block));
+                    count += 1;
+                }
+                // A destroyed stream was synchronized first: nothing of it can still run.
+                Err(DeviceError::InvalidStream(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if count > 0 {
+            self.remaining.insert(block, count);
+            self.outstanding += count as usize;
+        }
+        Ok(count > 0)
+    }
+
+    /// Records a fence on every stream (but `except`) that freed blocks since its last fence.
+    pub fn fence_streams<D: Device>(&mut self, device: &mut D, heap: &mut Heap, except: Option<StreamId>) -> Result<(), DeviceError> {
+        let streams: Vec<StreamId> = heap.unfenced_streams().filter(|&s| Some(s) != except).collect();
+        for stream in streams {
+            let Some(epoch) = heap.fence(stream) else { continue };
+            match device.record_event(stream) {
+                Ok(event) => {
+                    self.fences.entry(stream).or_default().push_back((event, epoch));
+                    self.outstanding += 1;
+                }
+                Err(DeviceError::InvalidStream(_)) => heap.retire_stream(stream),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Completes whatever finished: pending blocks become free, fenced blocks shared. With
+    /// `wait`, blocks until everything outstanding has finished.
+    pub fn poll<D: Device>(&mut self, device: &mut D, heap: &mut Heap, wait: bool) -> Result<(), DeviceError> {
+        if self.outstanding == 0 {
+            return Ok(());
+        }
+        for queue in self.pending.values_mut() {
+            while let Some(&(event, block)) = queue.front() {
+                if !Self::finished(device, event, wait)? {
+                    break;
+                }
+                queue.pop_front();
+                self.outstanding -= 1;
+                let left = self.remaining.get_mut(&block).expect("pending block without a count");
+                *left -= 1;
+                if *left == 0 {
+                    self.remaining.remove(&block);
+                    heap.complete_pending(block);
+                }
+            }
+        }
+        for (&stream, queue) in self.fences.iter_mut() {
+            while let Some(&(event, epoch)) = queue.front() {
+                if !Self::finished(device, event, wait)? {
+                    break;
+                }
+                queue.pop_front();
+                self.outstanding -= 1;
+                heap.promote(stream, epoch);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `event` has completed (waiting for it if asked); completed events are destroyed.
+    fn finished<D: Device>(device: &mut D, event: EventId, wait: bool) -> Result<bool, DeviceError> {
+        if wait {
+            device.synchronize_event(event)?;
+        } else if !device.query_event(event)? {
+            return Ok(false);
+        }
+        device.destroy_event(event)?;
+        Ok(true)
+    }
+
+    /// How many blocks wait on events, for cross-checking the heap.
+    pub fn pending_blocks(&self) -> usize {
+        self.remaining.len()
+    }
+}

@@ -1,0 +1,62 @@
+//! The pool's stream operations: creating and retiring streams, recording uses, synchronizing.
+
+use super::{Pool, PoolError};
+use crate::core::{Handle, Metric, StatType};
+use crate::device::{Device, StreamId};
+
+impl<D: Device> Pool<D> {
+    pub fn create_stream(&mut self) -> Result<StreamId, PoolError> {
+        Ok(self.device.create_stream()?)
+    }
+
+    /// Waits for `stream`, hands its cached blocks to every stream, and destroys it.
+    pub fn destroy_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
+        self.device.synchronize_stream(stream)?;
+        self.deferred.poll(&mut self.device, &mut self.heap, false)?;
+        self.device.destroy_stream(stream)?;
+        self.heap.retire_stream(stream);
+        Ok(())
+    }
+
+    /// Simulated devices: marks `stream` busy until synchronized.
+    pub fn hold_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
+        Ok(self.device.hold_stream(stream)?)
+    }
+
+    /// Whether all work queued on `stream` has finished.
+    pub fn query_stream(&mut self, stream: StreamId) -> Result<bool, PoolError> {
+        Ok(self.device.query_stream(stream)?)
+    }
+
+    /// Waits for `stream`, then returns whatever its completion made reusable.
+    pub fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
+        self.device.synchronize_stream(stream)?;
+        Ok(self.deferred.poll(&mut self.device, &mut self.heap, false)?)
+    }
+
+    /// Marks a live allocation as used on `stream` too: freeing it will wait for that stream.
+    pub fn record_stream(&mut self, handle: Handle, stream: StreamId) -> Result<(), PoolError> {
+        let owner = self.heap.block(handle)?.stream;
+        self.device.query_stream(stream)?;
+        if stream != owner {
+            self.heap.mark_uses(handle)?;
+            self.deferred.add_use(handle.index, stream);
+        }
+        Ok(())
+    }
+
+    /// Waits for every pending event: pending blocks become free and, unless cross-stream reuse
+    /// is off, every stream's free blocks become shared.
+    pub fn synchronize(&mut self) -> Result<(), PoolError> {
+        if self.config.cross_stream_reuse != super::CrossStreamReuse::Never {
+            self.deferred.fence_streams(&mut self.device, &mut self.heap, None)?;
+        }
+        Ok(self.deferred.poll(&mut self.device, &mut self.heap, true)?)
+    }
+
+    /// Bytes freed by users but still waiting on events (`active` minus `allocated`).
+    pub fn pending_bytes(&self) -> u64 {
+        let stat = |m| self.stats().get(m, StatType::All).current;
+        stat(Metric::ActiveBytes) - stat(Metric::AllocatedBytes)
+    }
+}
