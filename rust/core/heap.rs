@@ -363,13 +363,22 @@ impl Heap {
     /// A shared block never absorbs a stream's block: that would hide the stream's block from
     /// its owner's bins for nothing.
     fn coalesce_and_bin(&mut self, mut id: u32) {
-        let b = &self.blocks[id as usize];
-        let (prev, next, owner) = (b.prev, b.next, b.stream);
-        if next != NIL && self.mergeable(owner, next) {
+        let owner = self.blocks[id as usize].stream;
+        // Loops, not ifs: absorbing a shared neighbour can expose another block of this owner
+        // (shared and private blocks may alternate after promotions).
+        loop {
+            let next = self.blocks[id as usize].next;
+            if next == NIL || !self.mergeable(owner, next) {
+                break;
+            }
             self.unbin_free_neighbour(next);
             self.absorb_next(id, owner);
         }
-        if prev != NIL && self.mergeable(owner, prev) {
+        loop {
+            let prev = self.blocks[id as usize].prev;
+            if prev == NIL || !self.mergeable(owner, prev) {
+                break;
+            }
             self.unbin_free_neighbour(prev);
             self.absorb_next(prev, owner);
             id = prev;
