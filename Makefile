@@ -12,13 +12,15 @@ install: .venv/.installed
 	$(PY) -m pip install -e '.[test]'
 	touch $@
 
+# `--features cuda` adds the cuda backend's tests against the fake driver (tests/cuda_fake.rs); no GPU needed.
 test: install
-	cargo test --release
+	cargo test --release --features cuda
 	$(PY) -m pytest -q
 
 lint:
 	cargo fmt --check
-	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features cuda -- -D warnings
+	cargo clippy --lib --features python,cuda -- -D warnings
 
 bench: install
 	cargo bench

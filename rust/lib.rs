@@ -1,7 +1,7 @@
 //! gpupool: a caching device-memory pool for deep-learning workloads.
 //!
 //! # Glossary
-//! - **device**: where memory comes from (`host`, `sim`, later `cuda:N`), behind the
+//! - **device**: where memory comes from (`host`, `sim`, `cuda:N` with feature `cuda`), behind the
 //!   [`device::Device`] trait.
 //! - **segment**: one allocation obtained from the device. Blocks never merge across segments,
 //!   because two device allocations are not guaranteed to be contiguous.
@@ -22,12 +22,15 @@
 //!
 //! # Layers
 //! [`core`] is the safe, device-free algorithm over addresses and sizes; [`device`] holds the
-//! backends; [`pool`] joins them (segment growth, the out-of-memory ladder); `python` (feature
-//! `python`) is the thin PyO3 layer.
+//! backends; [`pool`] joins them (segment growth, the out-of-memory ladder); [`trace`] reads,
+//! writes and replays allocation traces on pools; `python` (feature `python`) is the thin PyO3
+//! layer; [`capi`] exports C allocation functions for PyTorch's pluggable allocator.
 
+pub mod capi;
 pub mod core;
 pub mod device;
 pub mod pool;
+pub mod trace;
 
 #[cfg(feature = "python")]
 mod python;

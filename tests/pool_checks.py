@@ -1,12 +1,48 @@
-"""Shared by the pool tests: PyTorch's size rules, data patterns, a whole-pool consistency check."""
+"""Shared by the pool tests: each strategy's size rules, data patterns, a whole-pool check."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 KiB = 1 << 10
 MiB = 1 << 20
+
+# Every strategy the contract suites run against (add "default" once it parses).
+STRATEGIES = ("pytorch", "bfc", "arena", "eager", "direct", "expandable")
+
+
+@dataclass(frozen=True)
+class SizeRules:
+    """What a strategy promises about sizes (rust/core/rules.rs)."""
+
+    granule: int
+    small_pool: bool
+    # PyTorch's fixed 2 MiB / 20 MiB / rounded segment sizes; else a new segment is at most
+    # what the device has left, and at least the request.
+    fixed_segments: bool
+    # Expandable strategies map pages of this size instead of allocating segments.
+    page_size: int = 0
+
+
+RULES = {
+    "pytorch": SizeRules(512, small_pool=True, fixed_segments=True),
+    "bfc": SizeRules(256, small_pool=False, fixed_segments=False),
+    "arena": SizeRules(512, small_pool=False, fixed_segments=False),
+    "eager": SizeRules(512, small_pool=False, fixed_segments=True),
+    "direct": SizeRules(512, small_pool=False, fixed_segments=False),
+    "expandable": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB),
+}
+
+
+def rules_of(pool) -> SizeRules:
+    config = pool.config
+    rules = RULES[config["strategy"]]
+    if rules.page_size:
+        return SizeRules(rules.granule, rules.small_pool, False, config["page_size_mb"] * MiB)
+    return rules
+
 
 STAT_NAMES = (
     "allocation",
@@ -23,13 +59,24 @@ POOL_KINDS = ("all", "large_pool", "small_pool")
 FIELDS = ("current", "peak", "allocated", "freed")
 
 
-def rounded(size: int) -> int:
-    """The block size PyTorch's rounding asks for: a multiple of 512 B, at least 512 B."""
-    return max(512, -(-size // 512) * 512)
+def rounded(size: int, granule: int = 512) -> int:
+    """The block size a request needs: a multiple of the granule (PyTorch's 512 B), at least one."""
+    return max(granule, -(-size // granule) * granule)
 
 
 def is_small(size: int) -> bool:
     return rounded(size) <= MiB
+
+
+def growth_bound(rules: SizeRules, size: int) -> int:
+    """The most new device memory serving ``size`` needs when no cached block fits it: a
+    pool that refuses ``size`` after flushing its cache must have less than this left."""
+    if rules.page_size:
+        # The pages under the block, of which the two at its ends may already be mapped.
+        return rounded(size, rules.granule) + 2 * rules.page_size
+    if rules.fixed_segments:
+        return segment_size(size)
+    return rounded(size, rules.granule)
 
 
 def segment_size(size: int) -> int:
@@ -68,10 +115,25 @@ def check_pool(pool, live: Iterable) -> None:
     """Asserts that the pool's own check, its snapshot and its statistics agree with ``live``."""
     pool.check_invariants()
     live = [ptr for ptr in live if ptr.size > 0]
+    rules = rules_of(pool)
     segments = pool.snapshot()["segments"]
-    _check_segments(segments)
-    _check_live(segments, live)
-    _check_stats(pool, segments, live)
+    _check_segments(rules, segments)
+    _check_live(rules, segments, live)
+    _check_stats(pool, rules, segments, live)
+
+
+def check_watermark(pool) -> None:
+    """After a free: over the release watermark only if no idle segment is left (expandable
+    ranges give pages back instead)."""
+    threshold = pool.config["release_threshold"]
+    if threshold is None or rules_of(pool).page_size:
+        return
+    stats = pool.memory_stats()
+    reserved = stats["reserved_bytes.all.current"]
+    if reserved - stats["active_bytes.all.current"] > threshold * reserved:
+        for segment in pool.snapshot()["segments"]:
+            idle = len(segment["blocks"]) == 1 and segment["blocks"][0]["state"] == "inactive"
+            assert not idle, "over the watermark with an idle segment"
 
 
 def drain(pool, live: Iterable) -> None:
@@ -84,13 +146,13 @@ def drain(pool, live: Iterable) -> None:
     assert pool.device_memory_held() == 0
 
 
-def _check_segments(segments: list[dict]) -> None:
+def _check_segments(rules: SizeRules, segments: list[dict]) -> None:
     end_of_previous = 0
     for segment in sorted(segments, key=lambda s: s["address"]):
         assert segment["address"] >= end_of_previous, "segments overlap"
         end_of_previous = segment["address"] + segment["total_size"]
-        assert segment["segment_type"] in ("large", "small")
-        if segment["segment_type"] == "small":
+        assert segment["segment_type"] in (("large", "small") if rules.small_pool else ("large",))
+        if segment["segment_type"] == "small" and not rules.page_size:
             assert segment["total_size"] == 2 * MiB
         blocks = sorted(segment["blocks"], key=lambda b: b["address"])
         address = segment["address"]
@@ -105,7 +167,7 @@ def _check_segments(segments: list[dict]) -> None:
         assert segment["requested_size"] == sum(b["requested_size"] for b in in_use)
 
 
-def _check_live(segments: list[dict], live: list) -> None:
+def _check_live(rules: SizeRules, segments: list[dict], live: list) -> None:
     in_use = {
         block["address"]: (block, segment)
         for segment in segments
@@ -115,38 +177,47 @@ def _check_live(segments: list[dict], live: list) -> None:
     assert len(in_use) == len(live), f"{len(in_use)} blocks in use, {len(live)} live allocations"
     for ptr in live:
         assert not ptr.freed
-        assert ptr.ptr % 512 == 0, f"{ptr.ptr:#x} is not 512-byte aligned"
+        assert ptr.ptr % rules.granule == 0, f"{ptr.ptr:#x} is not {rules.granule}-byte aligned"
         block, segment = in_use[ptr.ptr]
         assert block["requested_size"] == ptr.size
-        assert block["size"] >= rounded(ptr.size)
+        assert block["size"] >= rounded(ptr.size, rules.granule)
         assert segment["address"] <= ptr.ptr
-        assert ptr.ptr + rounded(ptr.size) <= segment["address"] + segment["total_size"]
-        assert segment["segment_type"] == ("small" if is_small(ptr.size) else "large")
+        end = ptr.ptr + rounded(ptr.size, rules.granule)
+        assert end <= segment["address"] + segment["total_size"]
+        small = rules.small_pool and is_small(ptr.size)
+        assert segment["segment_type"] == ("small" if small else "large")
     by_address = sorted(live, key=lambda p: p.ptr)
     for first, second in zip(by_address, by_address[1:], strict=False):
-        assert first.ptr + rounded(first.size) <= second.ptr, "live allocations overlap"
+        end = first.ptr + rounded(first.size, rules.granule)
+        assert end <= second.ptr, "live allocations overlap"
 
 
-def _check_stats(pool, segments: list[dict], live: list) -> None:
+def _check_stats(pool, rules: SizeRules, segments: list[dict], live: list) -> None:
     stats = pool.memory_stats()
     assert stats["requested_bytes.all.current"] == sum(ptr.size for ptr in live)
     assert stats["allocation.all.current"] == len(live)
     allocated = sum(s["allocated_size"] for s in segments)
     assert pool.memory_allocated() == allocated == stats["allocated_bytes.all.current"]
-    assert allocated >= sum(rounded(ptr.size) for ptr in live)
+    assert allocated >= sum(rounded(ptr.size, rules.granule) for ptr in live)
     # Without streams nothing waits on an event, so every active block is allocated.
     assert stats["active_bytes.all.current"] == allocated
-    reserved = sum(s["total_size"] for s in segments)
-    assert pool.memory_reserved() == reserved == pool.device_memory_held()
     assert stats["segment.all.current"] == len(segments)
-    for kind in ("large", "small"):
-        of_kind = [s for s in segments if s["segment_type"] == kind]
-        assert stats[f"reserved_bytes.{kind}_pool.current"] == sum(s["total_size"] for s in of_kind)
-    # A free block is "inactive split" (non-releasable) when it shares its segment with others.
+    if rules.page_size:
+        # Only mapped pages are reserved; the address ranges are bigger.
+        assert pool.memory_reserved() <= sum(s["total_size"] for s in segments)
+    else:
+        reserved = sum(s["total_size"] for s in segments)
+        assert pool.memory_reserved() == reserved == pool.device_memory_held()
+        for kind in ("large", "small"):
+            of_kind = [s for s in segments if s["segment_type"] == kind]
+            total = sum(s["total_size"] for s in of_kind)
+            assert stats[f"reserved_bytes.{kind}_pool.current"] == total
+    # A free block is "inactive split" (non-releasable) when it shares a plain segment with
+    # others; free pages of an expandable range can always be unmapped.
     split_free = [
         b["size"]
         for s in segments
-        if len(s["blocks"]) > 1
+        if len(s["blocks"]) > 1 and not rules.page_size
         for b in s["blocks"]
         if b["state"] == "inactive"
     ]

@@ -1,6 +1,7 @@
-//! Property tests: random alloc/free/empty_cache programs against a shadow model.
+//! Property tests: random alloc/free/empty_cache programs against a shadow model, for every
+//! strategy; then PyTorch's documented behaviour and each strategy's own.
 
-use gpupool::core::{Metric, StatType};
+use gpupool::core::{BlockState, Metric, SegmentInfo, StatType};
 use gpupool::device::{Device, FaultPlan, Faulty, Host, Sim};
 use gpupool::pool::{Allocation, Config, Pool, PoolError};
 use proptest::prelude::*;
@@ -50,7 +51,7 @@ impl Shadow {
         let mut end = 0;
         for (&address, (a, block)) in &self.live {
             assert!(address >= end, "allocations overlap at {address:#x}");
-            assert_eq!(address % 512, 0);
+            assert_eq!(address % pool.rules().granule, 0);
             assert!(*block >= pool.rules().round(a.size));
             end = address + block;
         }
@@ -61,8 +62,46 @@ impl Shadow {
     }
 }
 
+/// Every strategy the engine offers; `default` joins once it parses.
+const STRATEGIES: &[&str] = &["pytorch", "bfc", "arena", "eager", "direct", "expandable"];
+
+/// `settings` under each strategy (a strategy setting wins over a `strategy:` inside).
+fn configs(settings: &str) -> impl Iterator<Item = Config> + '_ {
+    STRATEGIES.iter().map(move |s| Config::parse(&format!("strategy:{s},{settings}")).unwrap())
+}
+
+/// After a free, the release watermark holds unless no idle segment is left to give back.
+fn check_watermark<D: Device>(pool: &Pool<D>) {
+    let Some(threshold) = pool.config().release_threshold.filter(|_| pool.config().page_size.is_none()) else { return };
+    let stat = |m| pool.stats().get(m, StatType::All).current;
+    let (reserved, free) = (stat(Metric::ReservedBytes), stat(Metric::ReservedBytes) - stat(Metric::ActiveBytes));
+    let idle = |s: &SegmentInfo| s.blocks.len() == 1 && s.blocks[0].state == BlockState::Free;
+    if free as f64 > threshold * reserved as f64 {
+        assert!(!pool.segments().iter().any(idle), "over the watermark with an idle segment left");
+    }
+}
+
+/// The pool never reserves more than its memory fraction allows. (Expandable page maps do not
+/// consult the fraction yet.)
+fn check_limit<D: Device>(pool: &Pool<D>) {
+    let (Some(fraction), Some(total)) = (pool.config().per_process_memory_fraction, pool.device().memory_info().total)
+    else {
+        return;
+    };
+    if pool.config().page_size.is_some() {
+        return;
+    }
+    let reserved = pool.stats().get(Metric::ReservedBytes, StatType::All).current;
+    assert!(
+        reserved as f64 <= fraction * total as f64,
+        "{:?}: {reserved} reserved beyond the fraction {fraction}",
+        pool.config().strategy
+    );
+}
+
 fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], verify_data: bool) {
     let mut shadow = Shadow::default();
+    pool.check_invariants().unwrap();
     for op in ops {
         match *op {
             Op::Alloc(size) => match pool.alloc(size) {
@@ -90,6 +129,7 @@ fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], verify_data: bool) {
                 }
                 pool.free(a.handle).unwrap();
                 assert!(matches!(pool.free(a.handle), Err(PoolError::Heap(_))), "double free must fail");
+                check_watermark(&pool);
             }
             Op::Free(_) => {}
             Op::EmptyCache => {
@@ -97,6 +137,7 @@ fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], verify_data: bool) {
             }
         }
         shadow.check(&pool);
+        check_limit(&pool);
     }
     for (_, (a, _)) in std::mem::take(&mut shadow.live) {
         pool.free(a.handle).unwrap();
@@ -120,12 +161,16 @@ proptest! {
 
     #[test]
     fn sim_pool_matches_shadow(ops in prop::collection::vec(op_strategy(), 1..300)) {
-        run(Pool::new(Sim::new(256 << 20), Config::default()), &ops, false);
+        for config in configs("") {
+            run(Pool::new(Sim::new(256 << 20), config), &ops, false);
+        }
     }
 
     #[test]
     fn host_pool_keeps_data_intact(ops in prop::collection::vec(op_strategy(), 1..200)) {
-        run(Pool::new(Host::new(Some(192 << 20)), Config::default()), &ops, true);
+        for config in configs("") {
+            run(Pool::new(Host::new(Some(192 << 20)), config), &ops, true);
+        }
     }
 
     #[test]
@@ -133,18 +178,42 @@ proptest! {
         ops in prop::collection::vec(op_strategy(), 1..200),
         seed in any::<u64>(),
     ) {
-        let device = Faulty::new(Sim::new(1 << 30), FaultPlan::Probability { p: 0.3, seed });
-        run(Pool::new(device, Config::default()), &ops, false);
+        for config in configs("") {
+            let device = Faulty::new(Sim::new(1 << 30), FaultPlan::Probability { p: 0.3, seed });
+            run(Pool::new(device, config), &ops, false);
+        }
     }
 
     #[test]
     fn max_split_size_is_honoured(ops in prop::collection::vec(op_strategy(), 1..200)) {
-        let config = Config::parse("max_split_size_mb:24").unwrap();
-        run(Pool::new(Sim::new(512 << 20), config), &ops, false);
+        for config in configs("max_split_size_mb:24") {
+            run(Pool::new(Sim::new(512 << 20), config), &ops, false);
+        }
+    }
+
+    #[test]
+    fn release_and_limit_settings_keep_the_pool_consistent(
+        ops in prop::collection::vec(op_strategy(), 1..200),
+        settings in prop::sample::select(&[
+            "release_threshold:0.2",
+            "release_threshold:0",
+            "per_process_memory_fraction:0.5,garbage_collection_threshold:0.6",
+            "per_process_memory_fraction:0.3,max_split_size_mb:20",
+            "roundup_power2_divisions:[1:4,>:8],initial_pool_size_mb:48",
+        ][..]),
+    ) {
+        for config in configs(settings) {
+            run(Pool::new(Sim::new(512 << 20), config), &ops, false);
+        }
     }
 }
 
 const MIB: u64 = 1 << 20;
+
+/// PyTorch's rules, named: the fidelity tests must not follow a change of the default.
+fn pytorch() -> Config {
+    Config::parse("strategy:pytorch").unwrap()
+}
 
 fn reserved<D: Device>(pool: &Pool<D>) -> u64 {
     pool.stats().get(Metric::ReservedBytes, StatType::All).current
@@ -152,7 +221,7 @@ fn reserved<D: Device>(pool: &Pool<D>) -> u64 {
 
 #[test]
 fn pytorch_segment_sizes() {
-    let fresh = || Pool::new(Sim::new(1 << 40), Config::default());
+    let fresh = || Pool::new(Sim::new(1 << 40), pytorch());
     let mut pool = fresh();
     pool.alloc(MIB * 3 / 2).unwrap();
     assert_eq!(reserved(&pool), 20 * MIB);
@@ -171,7 +240,7 @@ fn pytorch_segment_sizes() {
 #[test]
 fn allocation_order_changes_reservation_as_in_pytorch() {
     let run_order = |first: (u64, usize), second: (u64, usize)| {
-        let mut pool = Pool::new(Sim::new(1 << 40), Config::default());
+        let mut pool = Pool::new(Sim::new(1 << 40), pytorch());
         for (size, count) in [first, second] {
             let live: Vec<_> = (0..count).map(|_| pool.alloc(size * MIB).unwrap()).collect();
             live.into_iter().for_each(|a| pool.free(a.handle).unwrap());
@@ -184,7 +253,7 @@ fn allocation_order_changes_reservation_as_in_pytorch() {
 
 #[test]
 fn max_split_size_keeps_big_blocks_for_big_requests() {
-    let mut pool = Pool::new(Sim::new(1 << 40), Config::parse("max_split_size_mb:20").unwrap());
+    let mut pool = Pool::new(Sim::new(1 << 40), Config::parse("strategy:pytorch,max_split_size_mb:20").unwrap());
     let big = pool.alloc(64 * MIB).unwrap();
     pool.free(big.handle).unwrap();
     pool.alloc(4 * MIB).unwrap();
@@ -193,7 +262,7 @@ fn max_split_size_keeps_big_blocks_for_big_requests() {
 
 #[test]
 fn oom_flushes_cache_then_retries() {
-    let mut pool = Pool::new(Sim::new(40 * MIB), Config::default());
+    let mut pool = Pool::new(Sim::new(40 * MIB), pytorch());
     let a = pool.alloc(12 * MIB).unwrap();
     pool.free(a.handle).unwrap();
     pool.alloc(30 * MIB).unwrap();

@@ -1,4 +1,5 @@
-"""Random alloc/free/empty_cache programs on host and sim pools, checked against a shadow model."""
+"""Random alloc/free/empty_cache programs on host and sim pools, for every strategy, checked
+against a shadow model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ from hypothesis import event, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 import gpupool
-from pool_checks import MiB, check_pool, drain, segment_size, stamp, verify
+from pool_checks import (
+    STRATEGIES,
+    MiB,
+    check_pool,
+    check_watermark,
+    drain,
+    growth_bound,
+    rules_of,
+    stamp,
+    verify,
+)
 
 # Mostly small requests, as in real workloads; a separate rule for big ones fills the capacity.
 SIZES = st.one_of(st.integers(1, 4096), st.integers(1, MiB), st.integers(1, 64 * MiB))
@@ -28,12 +39,14 @@ class PoolMachine(RuleBasedStateMachine):
 
     device = ""
     capacity = 0
-    config = None
+    strategy = "pytorch"
+    extra_config = ""
     allocations = Bundle("allocations")
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = gpupool.Pool(self.device, capacity=self.capacity, config=self.config)
+        config = ",".join(filter(None, [f"strategy:{self.strategy}", self.extra_config]))
+        self.pool = gpupool.Pool(self.device, capacity=self.capacity, config=config)
         self.live: dict[int, Allocation] = {}
         self.tags = itertools.count()
         # Only host memory can be read and written from Python.
@@ -53,8 +66,10 @@ class PoolMachine(RuleBasedStateMachine):
             ptr = self.pool.alloc(size)
         except gpupool.OutOfMemoryError:
             # After the failed retry no cached segment is left to release, so refusing was right
-            # only if a new segment really does not fit.
-            assert self.pool.memory_reserved() + segment_size(size) > self.capacity
+            # only if new memory for the request really does not fit.
+            bound = growth_bound(rules_of(self.pool), size)
+            limit = self.capacity * (self.pool.config["per_process_memory_fraction"] or 1.0)
+            assert self.pool.memory_reserved() + bound > limit
             assert self.pool.memory_stats()["num_ooms"] == ooms + 1
             event("out of memory")
             return multiple()
@@ -75,6 +90,7 @@ class PoolMachine(RuleBasedStateMachine):
             allocation.ptr.free()
         assert allocation.ptr.freed
         del self.live[allocation.tag]
+        check_watermark(self.pool)
 
     @rule()
     def empty_cache(self) -> None:
@@ -103,12 +119,24 @@ class SimPoolMachine(PoolMachine):
 class SplitCappedSimPoolMachine(SimPoolMachine):
     """Blocks of 32 MiB and more are never split for smaller requests (oversize blocks)."""
 
-    config = "max_split_size_mb:32"
+    extra_config = "max_split_size_mb:32"
 
 
-TestHostPool = HostPoolMachine.TestCase
-TestHostPool.settings = settings(max_examples=150, stateful_step_count=50)
-TestSimPool = SimPoolMachine.TestCase
-TestSimPool.settings = settings(max_examples=300, stateful_step_count=80)
-TestSplitCappedSimPool = SplitCappedSimPoolMachine.TestCase
-TestSplitCappedSimPool.settings = TestSimPool.settings
+class WatermarkSimPoolMachine(SimPoolMachine):
+    """Frees give idle segments back past the watermark; the memory fraction caps the pool."""
+
+    extra_config = "release_threshold:0.25,per_process_memory_fraction:0.75"
+
+
+# Examples per strategy: the suites together stay within a few minutes on two cores.
+for _strategy in STRATEGIES:
+    for _machine, _examples, _steps in (
+        (HostPoolMachine, 30, 50),
+        (SimPoolMachine, 50, 80),
+        (SplitCappedSimPoolMachine, 25, 80),
+        (WatermarkSimPoolMachine, 25, 80),
+    ):
+        _name = _machine.__name__.removesuffix("Machine")
+        _case = type(f"{_name}_{_strategy}", (_machine,), {"strategy": _strategy}).TestCase
+        _case.settings = settings(max_examples=_examples, stateful_step_count=_steps)
+        globals()[f"Test{_name}_{_strategy}"] = _case

@@ -3,15 +3,36 @@
 from importlib.metadata import version
 
 from gpupool import _native
-from gpupool._native import Device, DevicePtr, OutOfMemoryError
+from gpupool._native import Device, DevicePtr, OutOfMemoryError, Stream, cuda_available, device_count
 from gpupool._summary import format_memory_summary
+from gpupool._view import View
+from gpupool.trace import ReplayResult, Trace, replay
 
-__all__ = ["Device", "DevicePtr", "OutOfMemoryError", "Pool", "format_memory_summary"]
+__all__ = [
+    "Device",
+    "DevicePtr",
+    "OutOfMemoryError",
+    "Pool",
+    "ReplayResult",
+    "Stream",
+    "Trace",
+    "View",
+    "cuda_available",
+    "device_count",
+    "format_memory_summary",
+    "replay",
+    "trace",
+]
 __version__ = version("gpupool")
 
 
 class Pool(_native.Pool):
-    """A caching pool over one device (``"host"`` or ``"sim"``), following PyTorch's rules."""
+    """A caching pool over one device (``"host"``, ``"sim"`` or ``"cuda:N"``).
+
+    ``config`` is a ``PYTORCH_CUDA_ALLOC_CONF``-style string, such as
+    ``"strategy:bfc,release_threshold:0.2"``; without one, the ``GPUPOOL_ALLOC_CONF`` environment
+    variable applies, else PyTorch's rules.
+    """
 
     __slots__ = ()
 

@@ -1,9 +1,18 @@
 """Type stub of gpupool's Rust extension module; the public names are re-exported by gpupool."""
 
+from os import PathLike
 from types import TracebackType
 from typing import Any
 
 from typing_extensions import Buffer
+
+from gpupool._view import View
+
+def cuda_available() -> bool:
+    """Whether a CUDA driver recent enough to use sees a GPU; never raises."""
+
+def device_count() -> int:
+    """GPUs the CUDA driver sees; 0 without a usable driver; never raises."""
 
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``80GiB``, ``512 MiB``, ``1.5GB`` or ``4096``."""
@@ -26,6 +35,21 @@ class DevicePtr:
     @property
     def __array_interface__(self) -> dict[str, Any]:
         """Version 3 uint8 view of the allocation; host device only."""
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3 uint8 view with the allocation's stream; CUDA devices only."""
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule of the bytes (host and CUDA); it keeps this pointer alive."""
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def view(self, dtype: Any, shape: int | tuple[int, ...] | None = None) -> View:
+        """The memory as ``shape`` elements of ``dtype`` with the same array protocols."""
     def __int__(self) -> int: ...
     def free(self) -> None:
         """Returns the memory to its pool; a second call raises ValueError."""
@@ -38,25 +62,37 @@ class DevicePtr:
     ) -> None: ...
     def copy_from_host(self, data: Buffer, offset: int = 0) -> None: ...
     def copy_to_host(self) -> bytes: ...
+    def record_stream(self, stream: Stream) -> None:
+        """Marks use on another stream: freeing waits for that stream's queued work."""
 
 class Pool:
     """A caching pool over one device."""
 
     def __init__(
         self,
-        device: str = "host",
+        device: str | None = None,
         capacity: int | str | None = None,
         config: str | None = None,
         inject_faults: dict[str, float | int] | None = None,
-    ) -> None: ...
+    ) -> None:
+        """``device`` is ``host``, ``sim`` or ``cuda:N``; by default ``cuda:0`` when usable, else ``host``."""
     @property
     def device(self) -> str: ...
     @property
     def capacity(self) -> int | None: ...
     @property
-    def config(self) -> list[tuple[str, str]]:
-        """The effective settings as (key, value) pairs."""
-    def alloc(self, size: int) -> DevicePtr: ...
+    def config(self) -> dict[str, str | int | float | bool | dict[str, int] | None]:
+        """The effective settings by config key; None for unset or unlimited."""
+    def alloc(self, size: int, stream: Stream | None = None) -> DevicePtr: ...
+    def stream(self) -> Stream:
+        """A new stream on this pool's device."""
+    def external_stream(self, handle: int) -> Stream:
+        """Wraps a CUDA stream made elsewhere (e.g. ``torch.cuda.current_stream().cuda_stream``)."""
+    @property
+    def default_stream(self) -> Stream: ...
+    def record_stream(self, ptr: DevicePtr, stream: Stream) -> None: ...
+    def synchronize(self) -> None:
+        """Waits for every pending event; the blocks they held back become reusable."""
     def free(self, ptr: DevicePtr) -> None: ...
     def memory_stats(self) -> dict[str, int]: ...
     def memory_allocated(self) -> int: ...
@@ -65,15 +101,109 @@ class Pool:
     def max_memory_reserved(self) -> int: ...
     def reset_peak_memory_stats(self) -> None: ...
     def empty_cache(self) -> None: ...
-    def snapshot(self) -> dict[str, Any]: ...
+    def snapshot(self) -> dict[str, Any]:
+        """PyTorch's snapshot dict; ``device_traces`` holds the recorded history."""
+    def record_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
+        """Records the newest ``max_entries`` events; ``enabled=False`` stops and discards."""
+    def dump_trace(self, path: str | PathLike[str]) -> None:
+        """Writes the recorded history as an RMM logging CSV (gzip if ``path`` ends in .gz)."""
     def check_invariants(self) -> None:
         """Raises AssertionError naming the broken invariant."""
     def device_memory_held(self) -> int:
         """Bytes the backend currently holds for this pool."""
 
+class Stream:
+    """A stream of one pool's device; simulated deterministically on host and sim."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def handle(self) -> int | None:
+        """The driver's ``cudaStream_t`` as an int (0: legacy default); None on simulated devices."""
+    def hold(self) -> None:
+        """Simulated devices: keeps the stream busy until synchronize()."""
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def destroy(self) -> None: ...
+
 class Device:
     """Direct backend access without pooling."""
 
-    def __init__(self, kind: str = "host", capacity: int | str | None = None) -> None: ...
+    def __init__(self, kind: str = "host", capacity: int | str | None = None, mode: str = "direct") -> None:
+        """``mode="async"`` on CUDA allocates through the driver's pool (``cuMemAllocAsync``)."""
     def allocate(self, size: int) -> int: ...
     def release(self, address: int) -> None: ...
+
+class Trace:
+    """An allocation trace, every free paired with its allocation."""
+
+    @staticmethod
+    def read_csv(path: str | PathLike[str]) -> Trace:
+        """Reads an RMM logging CSV, plain or gzip-compressed."""
+    @staticmethod
+    def from_snapshot_entries(
+        name: str,
+        entries: list[tuple[str, int, int, int, float]],
+        live_before: list[tuple[int, int, int]],
+    ) -> Trace:
+        """PyTorch ``device_traces`` entries ``(action, addr, size, stream, time_us)``, after
+        allocating ``live_before`` ``(addr, size, stream)`` at the start."""
+    @property
+    def name(self) -> str: ...
+    def __len__(self) -> int: ...
+    @property
+    def streams(self) -> list[int]: ...
+    @property
+    def peak_live_bytes(self) -> int: ...
+    @property
+    def allocations(self) -> int: ...
+    def events(self, start: int, stop: int) -> list[tuple[str, int, int, int, float]]:
+        """Events ``start:stop`` as ``(action, address, size, stream, time_us)``."""
+
+class ReplayResult:
+    """What one replay measured."""
+
+    @property
+    def trace(self) -> str: ...
+    @property
+    def config(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def capacity(self) -> int | None: ...
+    @property
+    def events(self) -> int: ...
+    @property
+    def peak_live_bytes(self) -> int: ...
+    @property
+    def peak_reserved_bytes(self) -> int: ...
+    @property
+    def utilization(self) -> float:
+        """Peak live bytes / peak reserved bytes."""
+    @property
+    def device_allocs(self) -> int: ...
+    @property
+    def ooms(self) -> int:
+        """Allocations that did not fit: skipped, their frees ignored."""
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def events_per_second(self) -> float: ...
+    @property
+    def min_capacity_bytes(self) -> int | None:
+        """The smallest sim capacity without an OOM (within 0.5%), if it was asked for."""
+    @property
+    def min_capacity_utilization(self) -> float | None: ...
+    @property
+    def timeline(self) -> tuple[list[int], list[int], list[int]]:
+        """``(event_index, reserved_bytes, live_bytes)``; each point is the highest value until
+        the next point's event."""
+
+def replay(
+    trace: Trace,
+    config: str | None = None,
+    capacity: int | str | None = None,
+    min_capacity: bool = False,
+    device: str = "sim",
+) -> ReplayResult:
+    """Replays ``trace`` on a fresh pool; ``sim`` without a capacity is unlimited."""

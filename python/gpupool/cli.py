@@ -1,4 +1,5 @@
-"""Command line: ``gpupool bench`` reruns the seed article's pool-versus-device benchmark here."""
+"""Command line: ``gpupool bench`` reruns the seed article's pool-versus-device benchmark here;
+``gpupool replay`` replays allocation traces and reports how much memory they need."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import gpupool
+from gpupool import _replay_report
 
 MiB = 1 << 20
 # The sim device needs a size; this is an 80 GiB accelerator's.
@@ -106,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench_parser.add_argument("--repeat", type=_positive_int, default=5, help="runs per workload")
     bench_parser.set_defaults(handler=_run_bench)
+    _replay_report.add_parser(commands)
     return parser
 
 

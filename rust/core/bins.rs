@@ -11,7 +11,9 @@
 //! bins, so a bin spans at most 1/32 (3%) of its sizes. Finding a fitting block looks at the
 //! request's own bin, then jumps with two `trailing_zeros` to the next non-empty bin, whose every
 //! block fits: O(1), never a walk over the free blocks. Inside a bin a few entries are compared
-//! so that the smallest (then lowest-address) block of the bin usually wins, as in best fit.
+//! so that the smallest block of the bin usually wins, as in best fit. Ties go to the lowest slab
+//! index, not the lowest address: the choice, and so a replay's figures, must not depend on where
+//! a device happens to place its segments (`host` and `sim` must agree).
 
 use super::block::{Block, NIL};
 
@@ -136,19 +138,19 @@ impl Bins {
     }
 
     fn best_in_bin(&self, blocks: &[Block], bin: usize, size: u64) -> Option<u32> {
-        let mut best: Option<(u64, u64, u32)> = None;
+        let mut best: Option<(u64, u32)> = None;
         let mut id = self.heads[bin];
         for _ in 0..SCAN_LIMIT {
             if id == NIL {
                 break;
             }
             let b = &blocks[id as usize];
-            if b.size >= size && best.is_none_or(|(s, a, _)| (b.size, b.address) < (s, a)) {
-                best = Some((b.size, b.address, id));
+            if b.size >= size && best.is_none_or(|(s, i)| (b.size, id) < (s, i)) {
+                best = Some((b.size, id));
             }
             id = b.bin_next;
         }
-        best.map(|(_, _, id)| id)
+        best.map(|(_, id)| id)
     }
 
     /// Every free block held here, found through the bitmaps (cost grows with the blocks held,
@@ -223,7 +225,8 @@ mod tests {
             stream: 0,
             epoch: 0,
             kind: crate::core::PoolKind::Small,
-            has_uses: false,
+            uses: 0,
+            expandable: false,
             generation: 0,
             state: BlockState::Free,
         }
@@ -264,8 +267,8 @@ mod tests {
     }
 
     #[test]
-    fn prefers_smaller_then_lower_address_in_a_bin() {
-        let mut blocks = vec![block(3 << 20, 1 << 20), block(1 << 20, 1 << 20), block(0, (1 << 20) + 4096)];
+    fn prefers_smaller_then_lower_index_in_a_bin() {
+        let mut blocks = vec![block(0, (1 << 20) + 4096), block(3 << 20, 1 << 20), block(1 << 20, 1 << 20)];
         let mut bins = Bins::default();
         for id in 0..3 {
             bins.insert(&mut blocks, id);

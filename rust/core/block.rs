@@ -5,6 +5,9 @@ use super::rules::PoolKind;
 /// Sentinel index: no neighbour / no bin link.
 pub const NIL: u32 = u32::MAX;
 
+/// In [`Block::uses`], the bit that stands for every stream from this one up.
+pub const USE_OVERFLOW_BIT: u32 = 31;
+
 /// The owner of free blocks that any stream may take (see [`Block::stream`]).
 pub const SHARED: u32 = u32::MAX - 1;
 
@@ -38,8 +41,12 @@ pub struct Block {
     /// fence of a later or equal epoch makes it [`SHARED`].
     pub epoch: u32,
     pub kind: PoolKind,
-    /// Other streams recorded a use of this allocated block (`record_stream`).
-    pub has_uses: bool,
+    /// Other streams that recorded a use of this allocated block (`record_stream`): bit `s` for
+    /// stream `s` < 31, bit 31 for any higher stream (the pool lists those). Kept in the block so
+    /// that a free with uses needs no lookup.
+    pub uses: u32,
+    /// Lives in an expandable segment (an address range mapped page by page).
+    pub expandable: bool,
     /// Bumped on every free, so a stale [`Handle`] (a double free) is detected in O(1).
     pub generation: u32,
     pub state: BlockState,
@@ -49,6 +56,16 @@ impl Block {
     /// A block that shares its segment with others: a free one is "inactive split" memory.
     pub fn is_split(&self) -> bool {
         self.prev != NIL || self.next != NIL
+    }
+
+    /// Free memory `empty_cache` cannot return: a free piece of a partly used segment. Free
+    /// space in expandable segments is not counted: its pages can always be unmapped.
+    pub fn is_inactive_split(&self) -> bool {
+        self.state == BlockState::Free && self.is_split() && !self.expandable
+    }
+
+    pub fn has_uses(&self) -> bool {
+        self.uses != 0
     }
 
     pub fn end(&self) -> u64 {

@@ -17,7 +17,7 @@ impl Heap {
         for (sid, seg) in self.segments.iter().enumerate() {
             let Some(seg) = seg else { continue };
             recount.increase(Metric::Segment, seg.kind, 1);
-            recount.increase(Metric::ReservedBytes, seg.kind, seg.size);
+            recount.increase(Metric::ReservedBytes, seg.kind, seg.mapped);
             let (mut expected_address, mut prev, mut prev_owner) = (seg.address, super::NIL, None);
             for (id, b) in self.blocks_of(seg) {
                 if b.segment != sid as u32 || b.prev != prev || b.kind != seg.kind {
@@ -33,7 +33,7 @@ impl Heap {
                 match b.state {
                     BlockState::Free => {
                         free_blocks.insert(id);
-                        if b.is_split() {
+                        if b.is_inactive_split() {
                             recount.increase(Metric::InactiveSplit, seg.kind, 1);
                             recount.increase(Metric::InactiveSplitBytes, seg.kind, b.size);
                         }

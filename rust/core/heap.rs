@@ -8,7 +8,7 @@
 //! one of them is shared; blocks of two different streams stay apart.
 
 use super::bins::Bins;
-use super::block::{Block, BlockState, Handle, NIL, SHARED};
+use super::block::{Block, BlockState, Handle, NIL, SHARED, USE_OVERFLOW_BIT};
 use super::rules::{PoolKind, Rules};
 use super::stats::{Metric, Stats};
 use std::fmt;
@@ -22,6 +22,11 @@ pub(super) struct Segment {
     pub kind: PoolKind,
     /// The stream the segment was first allocated for (reported in snapshots).
     pub stream: u32,
+    /// Bytes backed by memory: all of a plain segment, the mapped pages of an expandable one.
+    pub mapped: u64,
+    pub expandable: bool,
+    /// Its kind's allocation clock when it last became one free block (for its age when idle).
+    pub idle_since: u32,
     /// The lowest-address block. Splits keep the lower half's index and merges keep the lower
     /// block's index, so the head never changes while the segment lives.
     pub head: u32,
@@ -82,6 +87,9 @@ pub struct Heap {
     /// Free blocks any stream may take, by pool kind.
     pub(super) shared: [Bins; 2],
     epochs: Vec<Epoch>,
+    /// Allocations served per pool kind: the clock that free blocks age by (PyTorch's
+    /// `gc_count`), for garbage collection and the release watermark.
+    pub(super) clocks: [u32; 2],
     pub(super) stats: Stats,
 }
 
@@ -96,6 +104,7 @@ impl Heap {
             private: Vec::new(),
             shared: Default::default(),
             epochs: Vec::new(),
+            clocks: [0; 2],
             stats: Stats::default(),
         }
     }
@@ -122,6 +131,13 @@ impl Heap {
 
     fn bin_insert(&mut self, id: u32) {
         let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
+        let block = &self.blocks[id as usize];
+        if !block.is_split() {
+            let segment = block.segment as usize;
+            if let Some(seg) = self.segments[segment].as_mut() {
+                seg.idle_since = self.clocks[kind.index()];
+            }
+        }
         let bins = if owner == SHARED {
             &mut self.shared
         } else {
@@ -163,7 +179,30 @@ impl Heap {
 
     /// Registers a fresh device allocation for `stream` as one free block owned by it.
     pub fn add_segment(&mut self, address: u64, size: u64, kind: PoolKind, stream: u32) -> SegmentId {
-        let segment = Segment { address, size, kind, stream, head: NIL };
+        self.insert_segment(address, size, kind, stream, false)
+    }
+
+    /// Registers a device allocation no stream has used yet (a pre-allocated pool): its free
+    /// block is shared, so any stream may take it. Snapshots show it as stream 0's.
+    pub fn add_shared_segment(&mut self, address: u64, size: u64, kind: PoolKind) -> SegmentId {
+        let sid = self.add_segment(address, size, kind, 0);
+        let head = self.segment(sid).head;
+        self.bin_remove(head);
+        self.blocks[head as usize].stream = SHARED;
+        self.bin_insert(head);
+        sid
+    }
+
+    /// Registers a reserved address range whose pages are mapped on demand: it adds nothing to
+    /// reserved bytes until [`Heap::note_mapped`] says pages were mapped. No stream ever used
+    /// the range, so its free space starts shared.
+    pub fn add_expandable_segment(&mut self, address: u64, size: u64, kind: PoolKind, stream: u32) -> SegmentId {
+        self.insert_segment(address, size, kind, stream, true)
+    }
+
+    fn insert_segment(&mut self, address: u64, size: u64, kind: PoolKind, stream: u32, expandable: bool) -> SegmentId {
+        let mapped = if expandable { 0 } else { size };
+        let segment = Segment { address, size, kind, stream, mapped, expandable, idle_since: 0, head: NIL };
         let sid = match self.unused_segments.pop() {
             Some(sid) => {
                 self.segments[sid as usize] = Some(segment);
@@ -183,20 +222,66 @@ impl Heap {
             next: NIL,
             bin_prev: NIL,
             bin_next: NIL,
-            stream,
+            stream: if expandable { SHARED } else { stream },
             epoch: 0,
             kind,
-            has_uses: false,
+            uses: 0,
+            expandable,
             generation: 0,
             state: BlockState::Free,
         });
         if let Some(seg) = self.segments[sid as usize].as_mut() {
             seg.head = head;
         }
+        if !expandable {
+            // The stream owns the fresh free space like memory it freed: a fence shares it.
+            let e = self.epoch_mut(stream);
+            e.unfenced = true;
+            let epoch = e.current;
+            self.blocks[head as usize].epoch = epoch;
+        }
         self.bin_insert(head);
         self.stats.increase(Metric::Segment, kind, 1);
-        self.stats.increase(Metric::ReservedBytes, kind, size);
+        self.stats.increase(Metric::ReservedBytes, kind, mapped);
         sid
+    }
+
+    /// Pages of expandable segment `sid` were mapped (or unmapped): reserved bytes follow.
+    pub fn note_mapped(&mut self, sid: SegmentId, bytes: u64, mapped: bool) {
+        let seg = self.segments[sid as usize].as_mut().expect("mapping in a released segment");
+        let kind = seg.kind;
+        if mapped {
+            seg.mapped += bytes;
+            self.stats.increase(Metric::ReservedBytes, kind, bytes);
+        } else {
+            seg.mapped -= bytes;
+            self.stats.decrease(Metric::ReservedBytes, kind, bytes);
+        }
+    }
+
+    /// The free blocks of segment `sid`, as (address, size), in address order.
+    pub fn free_ranges(&self, sid: SegmentId) -> Vec<(u64, u64)> {
+        let seg = self.segment(sid);
+        self.blocks_of(seg).filter(|(_, b)| b.state == BlockState::Free).map(|(_, b)| (b.address, b.size)).collect()
+    }
+
+    /// The (lowest-address) first block of segment `sid`.
+    pub fn segment_head(&self, sid: SegmentId) -> u32 {
+        self.segment(sid).head
+    }
+
+    /// Bytes backed by memory in segment `sid`.
+    pub fn mapped_bytes(&self, sid: SegmentId) -> u64 {
+        self.segment(sid).mapped
+    }
+
+    /// The segment a cached or allocated block lies in.
+    pub fn segment_of(&self, id: u32) -> SegmentId {
+        self.blocks[id as usize].segment
+    }
+
+    pub fn block_at(&self, id: u32) -> &Block {
+        &self.blocks[id as usize]
     }
 
     /// A cached block owned by `owner` that fits `requested` bytes.
@@ -216,7 +301,7 @@ impl Heap {
         (0..self.private.len() as u32)
             .filter(|&owner| owner != stream)
             .filter_map(|owner| self.find(requested, owner).map(|id| (id, owner)))
-            .min_by_key(|&(id, _)| (self.blocks[id as usize].size, self.blocks[id as usize].address))
+            .min_by_key(|&(id, _)| (self.blocks[id as usize].size, id))
     }
 
     /// Hands out a cached block (the stream's own, else a shared one if `shared` is allowed),
@@ -237,20 +322,24 @@ impl Heap {
     pub fn take_block(&mut self, id: u32, requested: u64, stream: u32) -> Handle {
         let rounded = self.rules.round(requested);
         self.bin_remove(id);
+        self.uncount_inactive(id);
         let block = &self.blocks[id as usize];
         let kind = block.kind;
-        if block.is_split() {
-            self.stats.decrease(Metric::InactiveSplit, kind, 1);
-            self.stats.decrease(Metric::InactiveSplitBytes, kind, block.size);
-        }
-        if self.rules.should_split(kind, block.size, rounded) {
+        self.clocks[kind.index()] = self.clocks[kind.index()].wrapping_add(1);
+        // Splitting an expandable segment costs nothing: its pieces stay contiguous.
+        let split = if block.expandable {
+            block.size - rounded >= self.rules.granule
+        } else {
+            self.rules.should_split(kind, block.size, rounded)
+        };
+        if split {
             self.split(id, rounded);
         }
         let block = &mut self.blocks[id as usize];
         block.state = BlockState::Allocated;
         block.requested = requested;
         block.stream = stream;
-        block.has_uses = false;
+        block.uses = 0;
         let (size, generation) = (block.size, block.generation);
         self.stats.increase(Metric::Allocation, kind, 1);
         self.stats.increase(Metric::Active, kind, 1);
@@ -280,8 +369,7 @@ impl Heap {
         block.next = tail;
         block.size = size;
         self.bin_insert(tail);
-        self.stats.increase(Metric::InactiveSplit, b.kind, 1);
-        self.stats.increase(Metric::InactiveSplitBytes, b.kind, b.size - size);
+        self.count_inactive(tail);
     }
 
     /// The allocated block a handle names.
@@ -293,11 +381,14 @@ impl Heap {
         Ok(b)
     }
 
-    /// Notes that other streams use this allocated block, so its free must wait for them.
-    pub fn mark_uses(&mut self, handle: Handle) -> Result<(), HeapError> {
+    /// Notes that `stream` uses this allocated block, so its free must wait for it. Returns
+    /// false when the stream is too high for the block's mask: the caller must list it.
+    pub fn mark_use(&mut self, handle: Handle, stream: u32) -> Result<bool, HeapError> {
         self.block(handle)?;
-        self.blocks[handle.index as usize].has_uses = true;
-        Ok(())
+        let block = &mut self.blocks[handle.index as usize];
+        let in_mask = stream < USE_OVERFLOW_BIT;
+        block.uses |= 1 << stream.min(USE_OVERFLOW_BIT);
+        Ok(in_mask)
     }
 
     /// Ends an allocation: the user no longer holds the block.
@@ -321,11 +412,12 @@ impl Heap {
     }
 
     /// Frees a block whose device work on other streams may not have finished: it stays
-    /// active (not reusable) until [`Heap::complete_pending`]. Returns its slab index.
-    pub fn release_pending(&mut self, handle: Handle) -> Result<u32, HeapError> {
+    /// active (not reusable) until [`Heap::complete_pending`]. Returns its slab index and uses.
+    pub fn release_pending(&mut self, handle: Handle) -> Result<(u32, u32), HeapError> {
         let id = self.end_allocation(handle)?;
-        self.blocks[id as usize].state = BlockState::Pending;
-        Ok(id)
+        let block = &mut self.blocks[id as usize];
+        block.state = BlockState::Pending;
+        Ok((id, block.uses))
     }
 
     /// The events a pending block waited for have completed: it becomes free.
@@ -339,7 +431,7 @@ impl Heap {
         let block = &mut self.blocks[id as usize];
         let (kind, size, stream) = (block.kind, block.size, block.stream);
         block.state = BlockState::Free;
-        block.has_uses = false;
+        block.uses = 0;
         self.stats.decrease(Metric::Active, kind, 1);
         self.stats.decrease(Metric::ActiveBytes, kind, size);
         if stream != SHARED {
@@ -383,12 +475,26 @@ impl Heap {
             self.absorb_next(prev, owner);
             id = prev;
         }
-        let block = &self.blocks[id as usize];
-        if block.is_split() {
-            self.stats.increase(Metric::InactiveSplit, block.kind, 1);
-            self.stats.increase(Metric::InactiveSplitBytes, block.kind, block.size);
-        }
         self.bin_insert(id);
+        self.count_inactive(id);
+    }
+
+    /// Adds free block `id` to the inactive-split statistics if it counts there.
+    fn count_inactive(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        if b.is_inactive_split() {
+            self.stats.increase(Metric::InactiveSplit, b.kind, 1);
+            self.stats.increase(Metric::InactiveSplitBytes, b.kind, b.size);
+        }
+    }
+
+    /// Removes free block `id` from the inactive-split statistics if it counted there.
+    fn uncount_inactive(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        if b.is_inactive_split() {
+            self.stats.decrease(Metric::InactiveSplit, b.kind, 1);
+            self.stats.decrease(Metric::InactiveSplitBytes, b.kind, b.size);
+        }
     }
 
     fn mergeable(&self, owner: u32, neighbour: u32) -> bool {
@@ -396,26 +502,25 @@ impl Heap {
         n.state == BlockState::Free && (n.stream == owner || n.stream == SHARED)
     }
 
-    /// Takes a free neighbour (necessarily split, so counted as inactive split) out of its bin
-    /// before it is merged.
+    /// Takes a free neighbour out of its bin and the statistics before it is merged.
     fn unbin_free_neighbour(&mut self, id: u32) {
-        let (kind, size) = (self.blocks[id as usize].kind, self.blocks[id as usize].size);
+        self.uncount_inactive(id);
         self.bin_remove(id);
-        self.stats.decrease(Metric::InactiveSplit, kind, 1);
-        self.stats.decrease(Metric::InactiveSplitBytes, kind, size);
     }
 
     /// Merges the block after `id` into `id`; both are out of the bins. The result belongs to
     /// `owner` and keeps the later epoch.
     fn absorb_next(&mut self, id: u32, owner: u32) {
         let next = self.blocks[id as usize].next;
+        // Only epochs of `owner`'s blocks mean anything for it; shared ones are stale.
+        let epoch_of = |b: &Block| if b.stream == owner { b.epoch } else { 0 };
         let n = &self.blocks[next as usize];
-        let (after, next_size, next_epoch) = (n.next, n.size, n.epoch);
+        let (after, next_size, next_epoch) = (n.next, n.size, epoch_of(n));
         let block = &mut self.blocks[id as usize];
         block.size += next_size;
         block.next = after;
+        block.epoch = epoch_of(block).max(next_epoch);
         block.stream = owner;
-        block.epoch = block.epoch.max(next_epoch);
         if after != NIL {
             self.blocks[after as usize].prev = id;
         }
@@ -441,9 +546,10 @@ impl Heap {
         let Some(bins) = self.private.get(stream as usize) else { return };
         let members: Vec<u32> = bins.iter().flat_map(|b| b.members(&self.blocks)).collect();
         for id in members {
-            // An earlier promotion in this loop may have merged this block away.
+            // An earlier promotion in this loop may have merged this block away (its slot is then
+            // unused: no segment).
             let b = &self.blocks[id as usize];
-            if b.state != BlockState::Free || b.stream != stream || b.epoch > epoch {
+            if b.segment == NIL || b.state != BlockState::Free || b.stream != stream || b.epoch > epoch {
                 continue;
             }
             self.unbin_counted(id);
@@ -454,11 +560,7 @@ impl Heap {
 
     /// Unbins a free block and takes it out of the inactive-split count (re-added on binning).
     fn unbin_counted(&mut self, id: u32) {
-        let b = &self.blocks[id as usize];
-        if b.is_split() {
-            self.stats.decrease(Metric::InactiveSplit, b.kind, 1);
-            self.stats.decrease(Metric::InactiveSplitBytes, b.kind, b.size);
-        }
+        self.uncount_inactive(id);
         self.bin_remove(id);
     }
 
@@ -481,18 +583,24 @@ impl Heap {
         for sid in 0..self.segments.len() {
             let Some(seg) = self.segments[sid].clone() else { continue };
             let head = &self.blocks[seg.head as usize];
-            if head.state != BlockState::Free || head.next != NIL {
+            // An expandable segment goes only once its pages are unmapped.
+            if head.state != BlockState::Free || head.next != NIL || (seg.expandable && seg.mapped != 0) {
                 continue;
             }
-            self.bin_remove(seg.head);
-            self.drop_block(seg.head);
-            self.segments[sid] = None;
-            self.unused_segments.push(sid as u32);
-            self.stats.decrease(Metric::Segment, seg.kind, 1);
-            self.stats.decrease(Metric::ReservedBytes, seg.kind, seg.size);
-            released.push((seg.address, seg.size));
+            released.push(self.remove_segment(sid as u32));
         }
         released
+    }
+
+    /// Removes segment `sid`, which must be one free block; returns its (address, size).
+    pub(super) fn remove_segment(&mut self, sid: SegmentId) -> (u64, u64) {
+        let seg = self.segments[sid as usize].take().expect("removing a released segment");
+        self.bin_remove(seg.head);
+        self.drop_block(seg.head);
+        self.unused_segments.push(sid);
+        self.stats.decrease(Metric::Segment, seg.kind, 1);
+        self.stats.decrease(Metric::ReservedBytes, seg.kind, seg.mapped);
+        (seg.address, seg.size)
     }
 
     /// Size of the biggest free block (0 when none); O(blocks), for error reports only.
@@ -530,7 +638,12 @@ impl Heap {
                 stream: seg.stream,
                 blocks: self
                     .blocks_of(seg)
-                    .map(|(_, b)| BlockInfo { address: b.address, size: b.size, requested: b.requested, state: b.state })
+                    .map(|(_, b)| BlockInfo {
+                        address: b.address,
+                        size: b.size,
+                        requested: b.requested,
+                        state: b.state,
+                    })
                     .collect(),
             })
             .collect();

@@ -7,11 +7,13 @@ mod bins;
 mod block;
 mod check;
 mod heap;
+mod idle;
 mod rules;
 mod stats;
 
 pub use bins::{bin_index, Bins, BIN_COUNT};
-pub use block::{Block, BlockState, Handle, NIL, SHARED};
+pub use block::{Block, BlockState, Handle, NIL, SHARED, USE_OVERFLOW_BIT};
 pub use heap::{BlockInfo, Heap, HeapError, SegmentId, SegmentInfo};
-pub use rules::{PoolKind, Rules};
+pub use idle::IdleSegment;
+pub use rules::{PoolKind, Rules, SegmentGrowth, SplitPolicy, BFC_SPLIT_REMAINDER, POWER2_INTERVALS};
 pub use stats::{Metric, Stat, StatType, Stats};

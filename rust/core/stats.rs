@@ -101,6 +101,9 @@ pub struct Stats {
     pub num_ooms: u64,
     pub num_device_alloc: u64,
     pub num_device_free: u64,
+    /// Page-range map and unmap calls of expandable segments.
+    pub num_device_map: u64,
+    pub num_device_unmap: u64,
 }
 
 impl Stats {
@@ -143,6 +146,8 @@ impl Stats {
         out.push(("num_ooms".into(), self.num_ooms));
         out.push(("num_device_alloc".into(), self.num_device_alloc));
         out.push(("num_device_free".into(), self.num_device_free));
+        out.push(("num_device_map".into(), self.num_device_map));
+        out.push(("num_device_unmap".into(), self.num_device_unmap));
         out
     }
 

@@ -70,6 +70,28 @@ impl<D: Device> Device for Faulty<D> {
         self.inner.read(address, out)
     }
     super::forward_streams!(inner);
+    fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {
+        self.inner.reserve(size)
+    }
+    fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
+        self.inner.unreserve(address)
+    }
+    /// Mapping pages is how expandable pools obtain memory, so it fails like `allocate`.
+    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        if self.refuse_this_call() {
+            return Err(DeviceError::OutOfMemory { requested: size });
+        }
+        self.inner.map(address, size)
+    }
+    fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.inner.unmap(address, size)
+    }
+    fn import_stream(&mut self, handle: u64) -> Result<super::StreamId, DeviceError> {
+        self.inner.import_stream(handle)
+    }
+    fn stream_handle(&self, s: super::StreamId) -> Option<u64> {
+        self.inner.stream_handle(s)
+    }
 }
 
 #[cfg(test)]

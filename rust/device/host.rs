@@ -1,6 +1,6 @@
 //! `host`: real, page-aligned host memory, so data written through an allocation reads back.
 
-use super::{check_capacity, Device, DeviceError, MemoryInfo, SimStreams};
+use super::{check_capacity, Device, DeviceError, MemoryInfo, Reservations, SimStreams};
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
 
@@ -12,20 +12,41 @@ pub struct Host {
     held: u64,
     /// Live allocations by address; ordered so `read`/`write` find the one holding a range.
     live: BTreeMap<u64, Layout>,
+    /// Address ranges from `mmap(PROT_NONE)`; mapping commits pages, unmapping returns them.
+    reservations: Reservations,
     streams: SimStreams,
 }
 
 impl Host {
     pub fn new(capacity: Option<u64>) -> Self {
-        Host { capacity, held: 0, live: BTreeMap::new(), streams: SimStreams::default() }
+        Host {
+            capacity,
+            held: 0,
+            live: BTreeMap::new(),
+            reservations: Reservations::default(),
+            streams: SimStreams::default(),
+        }
     }
 
-    /// Checks that `[address, address + len)` lies inside one live allocation.
+    /// Checks that `[address, address + len)` lies inside one live allocation or one mapped
+    /// range of a reservation.
     fn check_range(&self, address: u64, len: usize) -> Result<(), DeviceError> {
-        let (&base, layout) = self.live.range(..=address).next_back().ok_or(DeviceError::InvalidAddress(address))?;
         let end = address.checked_add(len as u64).ok_or(DeviceError::InvalidAddress(address))?;
-        if end > base + layout.size() as u64 {
-            return Err(DeviceError::InvalidAddress(address));
+        let in_allocation = self.live.range(..=address).next_back().is_some_and(|(&b, l)| end <= b + l.size() as u64);
+        if in_allocation || self.reservations.check_mapped(address, len.max(1) as u64).is_ok() {
+            return Ok(());
+        }
+        Err(DeviceError::InvalidAddress(address))
+    }
+
+    /// Sets the access of a page-aligned range inside one of our reservations.
+    fn protect(address: u64, size: u64, prot: libc::c_int) -> Result<(), DeviceError> {
+        // SAFETY: callers pass a range inside a live `mmap` reservation of ours (checked by
+        // `Reservations`), so no memory Rust owns changes access.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::mprotect(address as *mut libc::c_void, size as usize, prot) };
+        if rc != 0 {
+            return Err(DeviceError::OutOfMemory { requested: size });
         }
         Ok(())
     }
@@ -66,6 +87,55 @@ impl Device for Host {
 
     super::forward_streams!(streams);
 
+    fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {
+        let len = usize::try_from(size).map_err(|_| DeviceError::OutOfMemory { requested: size })?;
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing touches no
+        // existing memory.
+        #[allow(unsafe_code)]
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(DeviceError::OutOfMemory { requested: size });
+        }
+        self.reservations.insert(ptr as u64, size);
+        Ok(ptr as u64)
+    }
+
+    fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
+        let size = self.reservations.remove(address)?;
+        // SAFETY: `address` is the base of a reservation we made with `mmap` and just forgot, with
+        // nothing mapped in it.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::munmap(address as *mut libc::c_void, size as usize)
+        };
+        Ok(())
+    }
+
+    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.reservations.check_unmapped(address, size)?;
+        check_capacity(self.capacity, self.held, size)?;
+        Self::protect(address, size, libc::PROT_READ | libc::PROT_WRITE)?;
+        self.reservations.map(address, size)?;
+        self.held += size;
+        Ok(())
+    }
+
+    /// Returns the pages to the OS (resident memory drops) and makes the range inaccessible.
+    fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.reservations.check_mapped(address, size)?;
+        // SAFETY: the range is mapped inside our reservation (checked above); discarding its
+        // contents is what unmapping means.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::madvise(address as *mut libc::c_void, size as usize, libc::MADV_DONTNEED)
+        };
+        Self::protect(address, size, libc::PROT_NONE)?;
+        self.reservations.unmap(address, size)?;
+        self.held -= size;
+        Ok(())
+    }
+
     fn memory_info(&self) -> MemoryInfo {
         MemoryInfo { total: self.capacity, held: self.held }
     }
@@ -105,6 +175,14 @@ impl Drop for Host {
                 alloc::dealloc(address as *mut u8, layout)
             };
         }
+        for (base, size) in self.reservations.bases() {
+            // SAFETY: every reservation is an outstanding `mmap` of ours; nothing else uses it once
+            // the device is dropped.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::munmap(base as *mut libc::c_void, size as usize)
+            };
+        }
     }
 }
 
@@ -126,6 +204,23 @@ mod tests {
         assert_eq!(host.allocate(2 << 20), Err(DeviceError::OutOfMemory { requested: 2 << 20 }));
         host.release(a).unwrap();
         assert!(host.release(a).is_err());
+        assert_eq!(host.memory_info().held, 0);
+    }
+
+    #[test]
+    fn mapped_pages_hold_data_and_count_against_capacity() {
+        let mut host = Host::new(Some(8 << 20));
+        let base = host.reserve(1 << 30).unwrap();
+        assert!(host.write(base, b"x").is_err(), "unmapped");
+        host.map(base + (2 << 20), 4 << 20).unwrap();
+        host.write(base + (3 << 20), b"page").unwrap();
+        let mut out = [0u8; 4];
+        host.read(base + (3 << 20), &mut out).unwrap();
+        assert_eq!(&out, b"page");
+        assert!(host.map(base + (8 << 20), 6 << 20).is_err(), "capacity");
+        host.unmap(base + (2 << 20), 4 << 20).unwrap();
+        assert!(host.read(base + (3 << 20), &mut out).is_err());
+        host.unreserve(base).unwrap();
         assert_eq!(host.memory_info().held, 0);
     }
 }

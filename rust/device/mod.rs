@@ -13,15 +13,23 @@
 //!   `synchronize_*` block until it has; `stream_wait_event` orders a stream's later work after an
 //!   event without blocking the host. `hold_stream` exists for simulated devices (it makes the
 //!   stream busy until synchronized) and is a no-op where real kernels keep streams busy.
+//!   `import_stream` wraps a stream made elsewhere (a raw `cudaStream_t`) and `stream_handle`
+//!   gives a stream's raw handle back; devices without real streams answer `Unsupported` / `None`.
 //! - A device never panics on bad input: every failure is a `DeviceError`.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod faulty;
 mod host;
+mod reservations;
 mod sim;
 mod streams;
 
+#[cfg(feature = "cuda")]
+pub use cuda::{Cuda, Mode as CudaMode};
 pub use faulty::{FaultPlan, Faulty};
 pub use host::Host;
+pub use reservations::Reservations;
 pub use sim::Sim;
 pub use streams::SimStreams;
 
@@ -105,6 +113,33 @@ pub trait Device: Send {
     fn destroy_event(&mut self, event: EventId) -> Result<(), DeviceError>;
     fn stream_wait_event(&mut self, _stream: StreamId, _event: EventId) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("stream waits"))
+    }
+    /// Wraps a stream created outside gpupool from its raw handle. The device uses it but never
+    /// destroys it: `destroy_stream` only forgets the id.
+    fn import_stream(&mut self, _handle: u64) -> Result<StreamId, DeviceError> {
+        Err(DeviceError::Unsupported("external streams"))
+    }
+    /// The raw driver handle of a stream (0 for the legacy default stream).
+    fn stream_handle(&self, _stream: StreamId) -> Option<u64> {
+        None
+    }
+    /// Reserves `size` bytes of address space with no memory behind it (expandable segments).
+    /// `size` is a multiple of the page size the pool maps with.
+    fn reserve(&mut self, _size: u64) -> Result<u64, DeviceError> {
+        Err(DeviceError::Unsupported("address reservations"))
+    }
+    /// Gives back a reservation; every page of it must be unmapped.
+    fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
+        Err(DeviceError::InvalidAddress(address))
+    }
+    /// Backs `[address, address + size)` of a reservation with memory; counts against capacity
+    /// (`OutOfMemory` when it would exceed it). The range must be unmapped.
+    fn map(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
+        Err(DeviceError::InvalidAddress(address))
+    }
+    /// Returns the memory behind a mapped range of a reservation to the device.
+    fn unmap(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
+        Err(DeviceError::InvalidAddress(address))
     }
 }
 
@@ -203,6 +238,24 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn stream_wait_event(&mut self, s: StreamId, e: EventId) -> Result<(), DeviceError> {
         (**self).stream_wait_event(s, e)
+    }
+    fn import_stream(&mut self, handle: u64) -> Result<StreamId, DeviceError> {
+        (**self).import_stream(handle)
+    }
+    fn stream_handle(&self, s: StreamId) -> Option<u64> {
+        (**self).stream_handle(s)
+    }
+    fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {
+        (**self).reserve(size)
+    }
+    fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
+        (**self).unreserve(address)
+    }
+    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        (**self).map(address, size)
+    }
+    fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        (**self).unmap(address, size)
     }
 }
 

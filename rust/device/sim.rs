@@ -1,6 +1,6 @@
 //! `sim`: a device with address space but no memory, for replaying and fuzzing huge GPUs.
 
-use super::{check_capacity, Device, DeviceError, MemoryInfo, SimStreams};
+use super::{check_capacity, Device, DeviceError, MemoryInfo, Reservations, SimStreams};
 use std::collections::HashMap;
 
 /// Addresses start high and never repeat, so a stale address can never alias a live one.
@@ -13,12 +13,30 @@ pub struct Sim {
     held: u64,
     next_address: u64,
     live: HashMap<u64, u64>,
+    reservations: Reservations,
     streams: SimStreams,
 }
 
 impl Sim {
     pub fn new(capacity: u64) -> Self {
-        Sim { capacity, held: 0, next_address: BASE_ADDRESS, live: HashMap::new(), streams: SimStreams::default() }
+        Sim {
+            capacity,
+            held: 0,
+            next_address: BASE_ADDRESS,
+            live: HashMap::new(),
+            reservations: Reservations::default(),
+            streams: SimStreams::default(),
+        }
+    }
+}
+
+impl Sim {
+    /// A fresh, never reused address range of `size` bytes.
+    fn take_addresses(&mut self, size: u64) -> Result<u64, DeviceError> {
+        let address = self.next_address;
+        let span = size.div_ceil(ALIGNMENT).max(1) * ALIGNMENT;
+        self.next_address = address.checked_add(span).ok_or(DeviceError::OutOfMemory { requested: size })?;
+        Ok(address)
     }
 }
 
@@ -29,12 +47,34 @@ impl Device for Sim {
 
     fn allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
         check_capacity(Some(self.capacity), self.held, size)?;
-        let address = self.next_address;
-        let span = size.div_ceil(ALIGNMENT).max(1) * ALIGNMENT;
-        self.next_address = address.checked_add(span).ok_or(DeviceError::OutOfMemory { requested: size })?;
+        let address = self.take_addresses(size)?;
         self.held += size;
         self.live.insert(address, size);
         Ok(address)
+    }
+
+    fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {
+        let address = self.take_addresses(size)?;
+        self.reservations.insert(address, size);
+        Ok(address)
+    }
+
+    fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
+        self.reservations.remove(address).map(|_| ())
+    }
+
+    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.reservations.check_unmapped(address, size)?;
+        check_capacity(Some(self.capacity), self.held, size)?;
+        self.reservations.map(address, size)?;
+        self.held += size;
+        Ok(())
+    }
+
+    fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.reservations.unmap(address, size)?;
+        self.held -= size;
+        Ok(())
     }
 
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
@@ -66,5 +106,20 @@ mod tests {
         assert_eq!(sim.release(a), Err(DeviceError::InvalidAddress(a)));
         assert_eq!(sim.memory_info().held, 20 << 30);
         assert!(sim.read(b, &mut [0u8; 4]).is_err());
+    }
+
+    #[test]
+    fn mapping_counts_against_capacity() {
+        let mut sim = Sim::new(8 << 20);
+        let base = sim.reserve(1 << 40).unwrap();
+        sim.map(base, 6 << 20).unwrap();
+        assert_eq!(sim.map(base + (6 << 20), 4 << 20), Err(DeviceError::OutOfMemory { requested: 4 << 20 }));
+        sim.unmap(base, 2 << 20).unwrap();
+        sim.map(base + (6 << 20), 4 << 20).unwrap();
+        assert_eq!(sim.memory_info().held, 8 << 20);
+        assert!(sim.unreserve(base).is_err());
+        sim.unmap(base + (2 << 20), 8 << 20).unwrap();
+        sim.unreserve(base).unwrap();
+        assert_eq!(sim.memory_info().held, 0);
     }
 }

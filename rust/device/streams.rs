@@ -6,7 +6,10 @@
 //! stream made to wait on a pending event is busy until that event completes.
 
 use super::{DeviceError, EventId, StreamId, DEFAULT_STREAM};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
+
+/// Marks the ids of events that completed when recorded.
+const DONE: EventId = 1 << 63;
 
 #[derive(Debug, Default)]
 struct StreamState {
@@ -33,9 +36,9 @@ pub struct SimStreams {
 
 impl Default for SimStreams {
     fn default() -> Self {
-        let mut streams = HashMap::new();
+        let mut streams = HashMap::default();
         streams.insert(DEFAULT_STREAM, StreamState::default());
-        SimStreams { streams, events: HashMap::new(), next_stream: DEFAULT_STREAM + 1, next_event: 1 }
+        SimStreams { streams, events: HashMap::default(), next_stream: DEFAULT_STREAM + 1, next_event: 1 }
     }
 }
 
@@ -66,7 +69,11 @@ impl SimStreams {
 
     /// Whether work on `s` is outstanding: a hold, or a wait on an event not yet complete.
     fn busy(&mut self, s: StreamId) -> Result<bool, DeviceError> {
-        let waits = std::mem::take(&mut self.stream(s)?.waits_on);
+        let state = self.stream(s)?;
+        if state.waits_on.is_empty() {
+            return Ok(state.held);
+        }
+        let waits = std::mem::take(&mut state.waits_on);
         let pending: Vec<EventId> =
             waits.into_iter().filter(|e| self.events.get(e).is_some_and(|ev| !ev.completed)).collect();
         let state = self.stream(s)?;
@@ -80,20 +87,35 @@ impl SimStreams {
         Ok(())
     }
 
+    /// Events recorded on an idle stream are complete from the start and never change, so
+    /// they are not stored: their ids carry [`DONE`] instead.
     pub fn record_event(&mut self, s: StreamId) -> Result<EventId, DeviceError> {
         let completed = !self.busy(s)?;
         let e = self.next_event;
         self.next_event += 1;
+        if completed {
+            return Ok(e | DONE);
+        }
         self.events.insert(e, EventState { stream: s, completed, destroyed: false });
         Ok(e)
     }
 
+    fn is_done(&self, e: EventId) -> bool {
+        e & DONE != 0 && e & !DONE < self.next_event
+    }
+
     pub fn query_event(&mut self, e: EventId) -> Result<bool, DeviceError> {
+        if self.is_done(e) {
+            return Ok(true);
+        }
         Ok(self.event(e)?.completed)
     }
 
     /// Waiting for an event means waiting for its stream.
     pub fn synchronize_event(&mut self, e: EventId) -> Result<(), DeviceError> {
+        if self.is_done(e) {
+            return Ok(());
+        }
         let ev = self.event(e)?;
         if !ev.completed {
             self.synchronize_stream(ev.stream)?;
@@ -103,6 +125,9 @@ impl SimStreams {
 
     /// As with CUDA, destroying an event that streams wait on does not cancel the wait.
     pub fn destroy_event(&mut self, e: EventId) -> Result<(), DeviceError> {
+        if self.is_done(e) {
+            return Ok(());
+        }
         let ev = self.event(e)?;
         if ev.completed {
             self.events.remove(&e);
@@ -130,14 +155,14 @@ impl SimStreams {
         for ev in self.events.values_mut().filter(|ev| ev.stream == s) {
             ev.completed = true;
         }
-        self.events.retain(|_, ev| !ev.destroyed);
+        self.events.retain(|_, ev| !(ev.destroyed && ev.completed));
         Ok(())
     }
 
     pub fn stream_wait_event(&mut self, s: StreamId, e: EventId) -> Result<(), DeviceError> {
-        let ev = self.event(e)?;
+        let completed = self.is_done(e) || self.event(e)?.completed;
         let state = self.stream(s)?;
-        if !ev.completed {
+        if !completed {
             state.waits_on.push(e);
         }
         Ok(())

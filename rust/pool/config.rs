@@ -1,7 +1,37 @@
-//! The configuration string: PyTorch's `key:value,key:value` grammar.
+//! The configuration string: PyTorch's `key:value,key:value` grammar, PyTorch's keys with their
+//! meanings, and gpupool's own keys (`strategy`, `release_threshold`, ...).
+//!
+//! A `PYTORCH_CUDA_ALLOC_CONF` value can be pasted as is. Keys, in the order `entries` lists them:
+//! - `strategy`: `pytorch` (the default), `bfc`, `arena`, `eager`, `expandable`, `direct`,
+//!   `default`; the presets of [`Rules`] plus the pool's growth and release behaviour.
+//! - `backend`: `native`, or `cudaMallocAsync`: no pooling in gpupool (`direct`); on CUDA the
+//!   segments come from the driver's own stream-ordered pool.
+//! - `max_split_size_mb` (>= 20), `max_non_split_rounding_mb` (>= 20),
+//!   `roundup_power2_divisions` (`4`, or `[256:1,512:2,>:8]`: interval start in MiB, a power of
+//!   two, or `>` for the rest, then divisions, a power of two or 0), `large_segment_size_mb`
+//!   (>= 10, the segment shared by requests in (1, 10) MiB): PyTorch's rounding and split knobs.
+//! - `garbage_collection_threshold` (0, 1): as PyTorch, only with a memory fraction set.
+//! - `per_process_memory_fraction` [0, 1]: the pool never holds more than this share of the
+//!   device's capacity (no effect on devices without one, such as `host` without `capacity`).
+//! - `expandable_segments` (`True`/`False`): `True` selects `strategy:expandable`.
+//! - `release_lock_on_cudamalloc` (`True`/`False`): accepted, no effect. PyTorch drops its
+//!   allocator lock around `cudaMalloc`; gpupool's device lives inside the pool's lock, so a
+//!   segment allocation always holds it (the Python binding releases the GIL, not that lock).
+//! - `release_threshold` [0, 1]: after a free, while free-but-reserved bytes exceed this share
+//!   of reserved bytes, fully free segments go back to the device, oldest first.
+//! - `initial_pool_size_mb`: a segment obtained when the pool is made (capped by capacity);
+//!   `arena` grows by this unit too (default 1024).
+//! - `page_size_mb`: the mapping unit of `expandable` (default 2).
+//! - `cross_stream_reuse`: `never`, `completed` (default) or `wait`.
+//! - PyTorch's pinned-memory and graph keys are accepted and ignored (gpupool has neither).
 
-use crate::core::Rules;
+mod parse;
+
+use crate::core::{Rules, POWER2_INTERVALS};
 use std::fmt;
+
+/// The environment variable the Python `Pool` reads when it is given no `config`.
+pub const ENV_VAR: &str = "GPUPOOL_ALLOC_CONF";
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConfigError(pub String);
@@ -36,91 +66,156 @@ impl CrossStreamReuse {
     }
 }
 
+/// A named preset: rules plus the pool's growth and release behaviour.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Strategy {
+    /// PyTorch's native caching allocator.
+    #[default]
+    Pytorch,
+    /// TensorFlow's best-fit-with-coalescing allocator, growing by doubling regions.
+    Bfc,
+    /// MindSpore's dynamic pool: a pre-allocated arena that grows by doubling units.
+    Arena,
+    /// OneFlow's bin allocator: BFC's splitting over PyTorch's segment sizes.
+    Eager,
+    /// One reserved address range per pool kind, pages mapped on demand.
+    Expandable,
+    /// No pooling: every allocation is a segment of its own, released on free.
+    Direct,
+    /// gpupool's own choice.
+    Default,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 7] = [
+        Strategy::Pytorch,
+        Strategy::Bfc,
+        Strategy::Arena,
+        Strategy::Eager,
+        Strategy::Expandable,
+        Strategy::Direct,
+        Strategy::Default,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Pytorch => "pytorch",
+            Strategy::Bfc => "bfc",
+            Strategy::Arena => "arena",
+            Strategy::Eager => "eager",
+            Strategy::Expandable => "expandable",
+            Strategy::Direct => "direct",
+            Strategy::Default => "default",
+        }
+    }
+}
+
+/// Where segments come from (PyTorch's `backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    #[default]
+    Native,
+    /// The driver's stream-ordered pool (`cuMemAllocAsync`) on CUDA, with no pooling in gpupool.
+    CudaMallocAsync,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Native => "native",
+            Backend::CudaMallocAsync => "cudaMallocAsync",
+        }
+    }
+}
+
 /// The effective settings of a pool.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Config {
+    pub strategy: Strategy,
     pub rules: Rules,
     pub cross_stream_reuse: CrossStreamReuse,
+    /// Expandable segments: `Some(page size)` makes each pool kind one reserved address range
+    /// whose pages are mapped on demand (rust/pool/expandable.rs); `None` uses plain segments.
+    pub page_size: Option<u64>,
+    pub backend: Backend,
+    /// The release watermark: a share of reserved bytes that free-but-reserved bytes may reach.
+    pub release_threshold: Option<f64>,
+    /// PyTorch's garbage collection threshold, a share of the allowed bytes.
+    pub garbage_collection_threshold: Option<f64>,
+    pub per_process_memory_fraction: Option<f64>,
+    /// Bytes to obtain when the pool is made (0: none).
+    pub initial_pool_size: u64,
+    pub release_lock_on_cudamalloc: bool,
 }
 
 const MIB: u64 = 1 << 20;
+/// PyTorch's `kLargeBuffer`: the smallest `max_split_size_mb` and `max_non_split_rounding_mb`.
+const MIN_SPLIT_LIMIT_MB: u64 = 20;
+const DEFAULT_ARENA_MB: u64 = 1024;
+const DEFAULT_PAGE_MB: u64 = 2;
+
+/// One setting's value, typed for `pool.config` and snapshots.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Setting {
+    Text(&'static str),
+    Int(u64),
+    Float(f64),
+    Bool(bool),
+    /// Unset or unlimited.
+    Unset,
+    /// `roundup_power2_divisions`: each interval's start in MiB with its divisions.
+    Divisions(Vec<(u64, u32)>),
+}
 
 impl Config {
     /// Parses `key:value,key:value`; an unknown key or a bad value is an error naming it.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let mut config = Config::default();
-        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let (key, value) =
-                item.split_once(':').ok_or_else(|| ConfigError(format!("config item '{item}' is not key:value")))?;
-            let (key, value) = (key.trim(), value.trim());
-            match key {
-                "max_split_size_mb" => {
-                    // As PyTorch: at least a large segment, so shared segments still split.
-                    let mb = parse_u64(key, value)?;
-                    if mb * MIB < config.rules.large_segment {
-                        return Err(ConfigError(format!("max_split_size_mb must be at least 20, got {value}")));
-                    }
-                    config.rules.max_split_size = mb * MIB;
-                }
-                "max_non_split_rounding_mb" => {
-                    config.rules.max_non_split_rounding = parse_u64(key, value)? * MIB;
-                }
-                "cross_stream_reuse" => {
-                    config.cross_stream_reuse = match value {
-                        "never" => CrossStreamReuse::Never,
-                        "completed" => CrossStreamReuse::Completed,
-                        "wait" => CrossStreamReuse::Wait,
-                        _ => {
-                            return Err(ConfigError(format!(
-                                "config key 'cross_stream_reuse' must be never, completed or wait, got '{value}'"
-                            )))
-                        }
-                    }
-                }
-                _ => return Err(ConfigError(format!("unknown config key '{key}'"))),
+        let mut keys = parse::Keys::default();
+        for (key, value) in parse::items(text)? {
+            keys.set(&key, &value)?;
+        }
+        keys.build()
+    }
+
+    /// Every effective setting under its config key, in a fixed order.
+    pub fn entries(&self) -> Vec<(&'static str, Setting)> {
+        let r = &self.rules;
+        let float = |v: Option<f64>| v.map_or(Setting::Unset, Setting::Float);
+        let max_split =
+            if r.max_split_size == u64::MAX { Setting::Unset } else { Setting::Int(r.max_split_size / MIB) };
+        let divisions = r.power2_divisions.unwrap_or([0; POWER2_INTERVALS]);
+        vec![
+            ("strategy", Setting::Text(self.strategy.name())),
+            ("backend", Setting::Text(self.backend.name())),
+            ("max_split_size_mb", max_split),
+            ("max_non_split_rounding_mb", Setting::Int(r.max_non_split_rounding / MIB)),
+            ("roundup_power2_divisions", Setting::Divisions((0..).zip(divisions).map(|(i, d)| (1 << i, d)).collect())),
+            ("garbage_collection_threshold", float(self.garbage_collection_threshold)),
+            ("expandable_segments", Setting::Bool(self.page_size.is_some())),
+            ("release_lock_on_cudamalloc", Setting::Bool(self.release_lock_on_cudamalloc)),
+            ("per_process_memory_fraction", float(self.per_process_memory_fraction)),
+            ("large_segment_size_mb", Setting::Int(r.large_segment / MIB)),
+            ("release_threshold", float(self.release_threshold)),
+            ("initial_pool_size_mb", Setting::Int(self.initial_pool_size / MIB)),
+            ("page_size_mb", self.page_size.map_or(Setting::Unset, |p| Setting::Int(p / MIB))),
+            ("cross_stream_reuse", Setting::Text(self.cross_stream_reuse.name())),
+        ]
+    }
+}
+
+impl fmt::Display for Setting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Setting::Text(t) => f.write_str(t),
+            Setting::Int(v) => write!(f, "{v}"),
+            Setting::Float(v) => write!(f, "{v}"),
+            Setting::Bool(v) => f.write_str(if *v { "True" } else { "False" }),
+            Setting::Unset => f.write_str("None"),
+            Setting::Divisions(pairs) => {
+                let items: Vec<String> = pairs.iter().map(|(mb, d)| format!("{mb}:{d}")).collect();
+                write!(f, "[{}]", items.join(","))
             }
         }
-        Ok(config)
-    }
-
-    /// Every setting as `(key, value)`, for `pool.config` and snapshots.
-    pub fn entries(&self) -> Vec<(&'static str, String)> {
-        let r = &self.rules;
-        let mb = |v: u64| {
-            if v == u64::MAX {
-                "unlimited".to_string()
-            } else {
-                (v / MIB).to_string()
-            }
-        };
-        vec![("max_split_size_mb", mb(r.max_split_size)), ("max_non_split_rounding_mb", mb(r.max_non_split_rounding))]
-    }
-}
-
-fn parse_u64(key: &str, value: &str) -> Result<u64, ConfigError> {
-    value
-        .parse::<u64>()
-        .ok()
-        .filter(|v| *v < (1 << 40))
-        .ok_or_else(|| ConfigError(format!("config key '{key}' needs a non-negative integer, got '{value}'")))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_and_names_bad_keys() {
-        let c = Config::parse("max_split_size_mb:64, max_non_split_rounding_mb:8").unwrap();
-        assert_eq!(c.rules.max_split_size, 64 * MIB);
-        assert_eq!(c.rules.max_non_split_rounding, 8 * MIB);
-        assert!(Config::parse("").unwrap() == Config::default());
-        assert!(Config::parse("bogus:1").unwrap_err().0.contains("bogus"));
-        assert!(Config::parse("max_split_size_mb:x").unwrap_err().0.contains("max_split_size_mb"));
-        assert!(Config::parse("max_split_size_mb:4").unwrap_err().0.contains("max_split_size_mb"));
-        assert!(Config::parse("max_split_size_mb").unwrap_err().0.contains("key:value"));
-        assert_eq!(Config::parse("cross_stream_reuse:wait").unwrap().cross_stream_reuse, CrossStreamReuse::Wait);
-        assert!(Config::parse("cross_stream_reuse:often").unwrap_err().0.contains("cross_stream_reuse"));
     }
 }
 

@@ -10,9 +10,10 @@
 //! Events on one stream complete in order, so each queue is checked from its front and the
 //! first pending event stops the scan, as PyTorch does.
 
-use crate::core::Heap;
+use crate::core::{Heap, USE_OVERFLOW_BIT};
 use crate::device::{Device, DeviceError, EventId, StreamId};
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::VecDeque;
 
 #[derive(Debug, Default)]
 pub struct Deferred {
@@ -22,8 +23,8 @@ pub struct Deferred {
     remaining: HashMap<u32, u32>,
     /// Per stream: fence events with the epoch each covers.
     fences: HashMap<StreamId, VecDeque<(EventId, u32)>>,
-    /// Uses recorded on allocated blocks, by slab index.
-    uses: HashMap<u32, Vec<StreamId>>,
+    /// Uses by streams too high for a block's own use mask, by slab index.
+    overflow_uses: HashMap<u32, Vec<StreamId>>,
     /// Events not yet completed in `pending` and `fences`; zero makes polling free.
     outstanding: usize,
 }
@@ -33,19 +34,32 @@ impl Deferred {
         self.outstanding == 0
     }
 
-    pub fn add_use(&mut self, block: u32, stream: StreamId) {
-        let uses = self.uses.entry(block).or_default();
-        if !uses.contains(&stream) {
-            uses.push(stream);
+    pub fn add_overflow_use(&mut self, block: u32, stream: StreamId) {
+        let others = self.overflow_uses.entry(block).or_default();
+        if !others.contains(&stream) {
+            others.push(stream);
         }
     }
 
-    /// Bytes-free bookkeeping for a block freed while other streams used it: records an event
-    /// on each use stream. Returns false when nothing is left to wait for.
-    pub fn defer<D: Device>(&mut self, device: &mut D, block: u32) -> Result<bool, DeviceError> {
+    /// For a block freed while other streams (`uses`, its use mask) used it: records an event
+    /// on each of them. Returns false when nothing is left to wait for.
+    pub fn defer<D: Device>(&mut self, device: &mut D, block: u32, uses: u32) -> Result<bool, DeviceError> {
         let mut count = 0;
-        for stream in self.uses.remove(&block).unwrap_or_default() {
+        let mut mask = uses & !(1 << USE_OVERFLOW_BIT);
+        let others = if uses & (1 << USE_OVERFLOW_BIT) != 0 {
+            self.overflow_uses.remove(&block).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let low = std::iter::from_fn(|| {
+            let s = (mask != 0).then(|| mask.trailing_zeros())?;
+            mask &= mask - 1;
+            Some(s)
+        });
+        for stream in low.chain(others) {
             match device.record_event(stream) {
+                // Work on an idle stream is already done: nothing to wait for.
+                Ok(event) if device.query_event(event)? => device.destroy_event(event)?,
                 Ok(event) => {
                     self.pending.entry(stream).or_default().push_back((event, block));
                     count += 1;
@@ -63,7 +77,12 @@ impl Deferred {
     }
 
     /// Records a fence on every stream (but `except`) that freed blocks since its last fence.
-    pub fn fence_streams<D: Device>(&mut self, device: &mut D, heap: &mut Heap, except: Option<StreamId>) -> Result<(), DeviceError> {
+    pub fn fence_streams<D: Device>(
+        &mut self,
+        device: &mut D,
+        heap: &mut Heap,
+        except: Option<StreamId>,
+    ) -> Result<(), DeviceError> {
         let streams: Vec<StreamId> = heap.unfenced_streams().filter(|&s| Some(s) != except).collect();
         for stream in streams {
             let Some(epoch) = heap.fence(stream) else { continue };

@@ -14,6 +14,13 @@ pub struct OomReport {
     pub allocated: u64,
     pub reserved: u64,
     pub largest_free_block: u64,
+    /// The most the pool may reserve (`per_process_memory_fraction` x capacity), if limited.
+    pub limit: Option<u64>,
+    /// The pool's strategy and the settings the advice depends on.
+    pub strategy: &'static str,
+    pub max_split_size: Option<u64>,
+    /// `garbage_collection_threshold` is set but, without a memory limit, does nothing.
+    pub garbage_collection_inert: bool,
 }
 
 impl OomReport {
@@ -66,10 +73,49 @@ impl fmt::Display for OomReport {
             format_bytes(self.largest_free_block),
             self.fragmentation() * 100.0,
         )?;
+        if let Some(limit) = self.limit {
+            write!(f, " The pool may reserve at most {} (per_process_memory_fraction).", format_bytes(limit))?;
+        }
         if self.reserved_unallocated() >= self.requested {
             write!(f, " Reserved-but-unallocated memory could hold this request: fragmentation caused this failure.")?;
         }
+        for advice in self.advice() {
+            write!(f, " {advice}")?;
+        }
         Ok(())
+    }
+}
+
+const MIB: u64 = 1 << 20;
+
+impl OomReport {
+    /// Configuration that would have helped, as sentences naming `GPUPOOL_ALLOC_CONF` values.
+    pub fn advice(&self) -> Vec<String> {
+        let mut advice = Vec::new();
+        let limited_by_fraction = self.limit.is_some_and(|limit| self.reserved + self.requested > limit)
+            && self.device_free.is_none_or(|free| free >= self.requested);
+        if limited_by_fraction {
+            advice.push("The device has room: raise per_process_memory_fraction.".to_string());
+        }
+        if self.reserved_unallocated() >= self.requested && self.strategy != "expandable" {
+            let mut text =
+                "Try GPUPOOL_ALLOC_CONF=strategy:expandable (one address space, so free holes coalesce)".to_string();
+            // Blocks at least max_split_size stay whole for requests at least that big.
+            if self.max_split_size.is_none() && self.requested >= 20 * MIB {
+                text += &format!(
+                    ", or max_split_size_mb:{} to keep cached blocks this big whole for requests like this one",
+                    self.requested / MIB
+                );
+            }
+            advice.push(text + ".");
+        }
+        if self.garbage_collection_inert {
+            advice.push(
+                "garbage_collection_threshold needs a memory limit: per_process_memory_fraction on a device with a capacity."
+                    .to_string(),
+            );
+        }
+        advice
     }
 }
 

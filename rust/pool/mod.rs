@@ -4,21 +4,23 @@
 mod config;
 mod deferred;
 mod error;
+mod expandable;
+mod growth;
+mod history;
+mod release;
 mod streams;
 
-pub use config::{parse_size, Config, ConfigError, CrossStreamReuse};
+pub use config::{parse_size, Backend, Config, ConfigError, CrossStreamReuse, Setting, Strategy, ENV_VAR};
 pub use error::{format_bytes, OomReport, PoolError};
+pub use history::{History, HistoryAction, HistoryEntry};
 
-use crate::core::{BlockState, Handle, Heap, Metric, Rules, SegmentInfo, StatType, Stats};
+use crate::core::{BlockState, Handle, Heap, Metric, Rules, SegmentInfo, StatType, Stats, SHARED};
 use crate::device::{Device, DeviceError, StreamId};
 use deferred::Deferred;
+use expandable::Expandable;
+use growth::Growth;
 
 pub use crate::device::DEFAULT_STREAM;
-
-enum Retry {
-    Cached(Allocation),
-    Segment(u64),
-}
 
 /// A live allocation: the handle to free it with, its address and the bytes asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,12 +35,22 @@ pub struct Pool<D: Device> {
     heap: Heap,
     deferred: Deferred,
     config: Config,
+    /// Off (`None`) unless recording was asked for.
+    history: Option<History>,
+    /// Page mapping of expandable segments; `None` for plain segments.
+    expandable: Option<Expandable>,
+    /// Segment sizing state and the memory limit.
+    growth: Growth,
 }
 
 impl<D: Device> Pool<D> {
     pub fn new(device: D, config: Config) -> Self {
         let heap = Heap::new(config.rules.clone());
-        Pool { device, heap, deferred: Deferred::default(), config }
+        let expandable = config.page_size.map(Expandable::new);
+        let growth = Growth::new(&config, device.memory_info().total);
+        let mut pool = Pool { device, heap, deferred: Deferred::default(), config, history: None, expandable, growth };
+        pool.preallocate();
+        pool
     }
 
     pub fn device(&self) -> &D {
@@ -72,21 +84,31 @@ impl<D: Device> Pool<D> {
         Ok(())
     }
 
-    fn allocation(&self, handle: Handle, size: u64) -> Allocation {
-        let address = self.heap.block(handle).map(|b| b.address).unwrap_or_default();
+    /// Every successful allocation passes here.
+    fn allocation(&mut self, handle: Handle, size: u64) -> Allocation {
+        let (address, stream) = self.heap.block(handle).map(|b| (b.address, b.stream)).unwrap_or_default();
+        self.note(HistoryAction::Alloc, address, size, stream);
         Allocation { handle, address, size }
     }
 
-    /// Serves `size` bytes on `stream` from cached segments only; `None` means the device must
+    /// Serves `size` bytes on `stream` from cached memory only; `None` means the device must
     /// be asked. Callers that must not block (the Python binding holding the GIL) try this first.
     pub fn alloc_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
+        match self.try_cached(size, stream) {
+            // A refused page map is for `alloc_on`'s out-of-memory ladder to handle.
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => Ok(None),
+            other => other,
+        }
+    }
+
+    fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
         if !self.deferred.is_idle() {
             self.deferred.poll(&mut self.device, &mut self.heap, false)?;
         }
         // Shared blocks are safe for every stream; under `never` only destroyed streams' land there.
-        if let Some(h) = self.heap.take(size, stream, true) {
-            return Ok(Some(self.allocation(h, size)));
+        if let Some(a) = self.take_cached(size, stream)? {
+            return Ok(Some(a));
         }
         if self.config.cross_stream_reuse == CrossStreamReuse::Never {
             return Ok(None);
@@ -94,17 +116,35 @@ impl<D: Device> Pool<D> {
         // Other streams' frees become shared once a fence recorded after them completes.
         self.deferred.fence_streams(&mut self.device, &mut self.heap, Some(stream))?;
         self.deferred.poll(&mut self.device, &mut self.heap, false)?;
-        if let Some(h) = self.heap.take(size, stream, true) {
-            return Ok(Some(self.allocation(h, size)));
+        if let Some(a) = self.take_cached(size, stream)? {
+            return Ok(Some(a));
         }
         if self.config.cross_stream_reuse == CrossStreamReuse::Wait {
             if let Some((id, owner)) = self.heap.find_foreign(size, stream) {
                 self.make_wait_for(stream, owner)?;
-                let h = self.heap.take_block(id, size, stream);
-                return Ok(Some(self.allocation(h, size)));
+                return self.take_found(id, size, stream).map(Some);
             }
         }
         Ok(None)
+    }
+
+    /// A cached block of the stream's own, else a shared one.
+    fn take_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
+        match self.heap.find(size, stream).or_else(|| self.heap.find(size, SHARED)) {
+            Some(id) => self.take_found(id, size, stream).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Allocates free block `id`, first mapping its pages if it lies in an expandable segment.
+    fn take_found(&mut self, id: u32, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
+        if let Some(pages) = self.expandable.as_mut() {
+            let (address, segment) = (self.heap.block_at(id).address, self.heap.segment_of(id));
+            let rounded = self.heap.rules().round(size);
+            pages.ensure_mapped(&mut self.device, &mut self.heap, segment, address, rounded)?;
+        }
+        let handle = self.heap.take_block(id, size, stream);
+        Ok(self.allocation(handle, size))
     }
 
     /// Orders `stream`'s later work after everything queued on `owner` so far.
@@ -120,50 +160,60 @@ impl<D: Device> Pool<D> {
         self.alloc_on(size, DEFAULT_STREAM)
     }
 
-    /// Allocates `size` bytes for use on `stream`: from the cache, else from a new segment; when
-    /// the device refuses, every event is waited for, every fully free cached segment returned
-    /// and the device asked once more.
+    /// Allocates `size` bytes for use on `stream`: from the cache, else from new device memory;
+    /// when the device refuses, every event is waited for, cached memory returned, the cache
+    /// searched again (PyTorch forgets to) and the device asked once more (a device may refuse
+    /// transiently, so that happens even if nothing was freed).
     pub fn alloc_on(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
-        if let Some(a) = self.alloc_cached(size, stream)? {
-            return Ok(a);
+        match self.try_cached(size, stream).and_then(|cached| match cached {
+            Some(a) => Ok(a),
+            None => self.grow(size, stream),
+        }) {
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {}
+            done => return done,
         }
+        // PyTorch's first remedy: cached oversize blocks, which this request may not use.
+        if self.release_oversize(size)? {
+            match self.grow(size, stream) {
+                Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {}
+                done => return done,
+            }
+        }
+        self.synchronize()?;
+        self.release_cached()?;
+        self.heap.stats_mut().num_alloc_retries += 1;
+        match self.try_cached(size, stream).and_then(|cached| match cached {
+            Some(a) => Ok(a),
+            None => self.grow(size, stream),
+        }) {
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {
+                self.heap.stats_mut().num_ooms += 1;
+                self.note(HistoryAction::Oom, self.device.memory_info().free().unwrap_or(0), size, stream);
+                Err(PoolError::OutOfMemory(Box::new(self.oom_report(size))))
+            }
+            done => done,
+        }
+    }
+
+    /// Obtains new device memory for `size` bytes on `stream` and allocates from it: a segment,
+    /// or in expandable mode a new address range whose pages get mapped.
+    fn grow(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         // Fail before growing if the stream is gone, rather than cache memory for it.
         self.device.query_stream(stream)?;
         let rules = self.heap.rules();
         let rounded = rules.round(size);
-        let (kind, segment_size) = (rules.kind(rounded), rules.segment_size(rounded));
-        let address = match self.device.allocate(segment_size) {
-            Ok(address) => address,
-            Err(DeviceError::OutOfMemory { .. }) => match self.retry_after_flush(size, stream, segment_size)? {
-                Retry::Cached(a) => return Ok(a),
-                Retry::Segment(address) => address,
-            },
-            Err(e) => return Err(e.into()),
-        };
-        self.heap.stats_mut().num_device_alloc += 1;
+        let kind = rules.kind(rounded);
+        if let Some(pages) = self.expandable.as_mut() {
+            let segment = pages.grow(&mut self.device, &mut self.heap, kind, stream, rounded)?;
+            let id = self.heap.segment_head(segment);
+            return self.take_found(id, size, stream);
+        }
+        self.collect_garbage()?;
+        let (address, segment_size) = self.allocate_segment(rounded)?;
+        self.note(HistoryAction::SegmentAlloc, address, segment_size, stream);
         let segment = self.heap.add_segment(address, segment_size, kind, stream);
         let handle = self.heap.take_segment(segment, size, stream);
         Ok(self.allocation(handle, size))
-    }
-
-    /// PyTorch's last resort: wait for all events, return every fully free cached segment, then
-    /// look in the cache again (PyTorch forgets to) and ask the device once more (a device may
-    /// refuse transiently, so that happens even if nothing was freed).
-    fn retry_after_flush(&mut self, size: u64, stream: StreamId, segment_size: u64) -> Result<Retry, PoolError> {
-        self.synchronize()?;
-        self.release_cached()?;
-        self.heap.stats_mut().num_alloc_retries += 1;
-        if let Some(a) = self.alloc_cached(size, stream)? {
-            return Ok(Retry::Cached(a));
-        }
-        match self.device.allocate(segment_size) {
-            Ok(address) => Ok(Retry::Segment(address)),
-            Err(DeviceError::OutOfMemory { .. }) => {
-                self.heap.stats_mut().num_ooms += 1;
-                Err(PoolError::OutOfMemory(Box::new(self.oom_report(size))))
-            }
-            Err(e) => Err(e.into()),
-        }
     }
 
     pub fn oom_report(&self, requested: u64) -> OomReport {
@@ -177,18 +227,27 @@ impl<D: Device> Pool<D> {
             allocated: stat(Metric::AllocatedBytes),
             reserved: stat(Metric::ReservedBytes),
             largest_free_block: self.heap.largest_free_block(),
+            limit: self.growth.limit,
+            strategy: self.config.strategy.name(),
+            max_split_size: Some(self.rules().max_split_size).filter(|&m| m != u64::MAX),
+            garbage_collection_inert: self.config.garbage_collection_threshold.is_some() && self.growth.limit.is_none(),
         }
     }
 
     /// Returns an allocation's block to the cache. A block used on other streams waits for
     /// events recorded on them now; otherwise the device is not called.
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
-        if !self.heap.block(handle)?.has_uses {
-            return Ok(self.heap.release(handle)?);
+        self.note_free(handle);
+        let block = self.heap.block(handle)?;
+        let segment = block.segment;
+        if !block.has_uses() {
+            self.heap.release(handle)?;
+            return self.after_free(segment);
         }
-        let block = self.heap.release_pending(handle)?;
-        if !self.deferred.defer(&mut self.device, block)? {
+        let (block, uses) = self.heap.release_pending(handle)?;
+        if !self.deferred.defer(&mut self.device, block, uses)? {
             self.heap.complete_pending(block);
+            return self.after_free(segment);
         }
         Ok(())
     }
@@ -199,6 +258,11 @@ impl<D: Device> Pool<D> {
         Ok((b.address, b.size))
     }
 
+    /// The stream a live allocation was made for.
+    pub fn stream_of(&self, handle: Handle) -> Result<StreamId, PoolError> {
+        Ok(self.heap.block(handle)?.stream)
+    }
+
     /// Waits for pending events, then gives every fully free segment back to the device;
     /// returns the bytes released.
     pub fn empty_cache(&mut self) -> Result<u64, PoolError> {
@@ -206,12 +270,22 @@ impl<D: Device> Pool<D> {
         self.release_cached()
     }
 
+    /// Returns cached memory to the device: free pages of expandable ranges, then every fully
+    /// free segment (or range). Returns the bytes that stop being reserved.
     fn release_cached(&mut self) -> Result<u64, PoolError> {
-        let released = self.heap.release_free_segments();
-        let mut bytes = 0;
-        for (address, size) in released {
+        let mut bytes = match self.expandable.as_mut() {
+            Some(pages) => pages.unmap_free_pages(&mut self.device, &mut self.heap)?,
+            None => 0,
+        };
+        for (address, size) in self.heap.release_free_segments() {
+            if let Some(pages) = self.expandable.as_mut().filter(|p| p.is_range(address)) {
+                pages.forget(address);
+                self.device.unreserve(address)?;
+                continue;
+            }
             self.device.release(address)?;
             self.heap.stats_mut().num_device_free += 1;
+            self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
             bytes += size;
         }
         Ok(bytes)
@@ -233,6 +307,6 @@ impl<D: Device> Pool<D> {
         if pending != self.deferred.pending_blocks() {
             return Err(format!("{pending} blocks are pending but {} wait on events", self.deferred.pending_blocks()));
         }
-        Ok(())
+        self.expandable.as_ref().map_or(Ok(()), |pages| pages.check(&self.heap))
     }
 }

@@ -38,9 +38,8 @@ impl<D: Device> Pool<D> {
     pub fn record_stream(&mut self, handle: Handle, stream: StreamId) -> Result<(), PoolError> {
         let owner = self.heap.block(handle)?.stream;
         self.device.query_stream(stream)?;
-        if stream != owner {
-            self.heap.mark_uses(handle)?;
-            self.deferred.add_use(handle.index, stream);
+        if stream != owner && !self.heap.mark_use(handle, stream)? {
+            self.deferred.add_overflow_use(handle.index, stream);
         }
         Ok(())
     }
@@ -48,10 +47,13 @@ impl<D: Device> Pool<D> {
     /// Waits for every pending event: pending blocks become free and, unless cross-stream reuse
     /// is off, every stream's free blocks become shared.
     pub fn synchronize(&mut self) -> Result<(), PoolError> {
+        // Pending blocks first: completing them frees blocks that the fences must then cover.
+        self.deferred.poll(&mut self.device, &mut self.heap, true)?;
         if self.config.cross_stream_reuse != super::CrossStreamReuse::Never {
             self.deferred.fence_streams(&mut self.device, &mut self.heap, None)?;
+            self.deferred.poll(&mut self.device, &mut self.heap, true)?;
         }
-        Ok(self.deferred.poll(&mut self.device, &mut self.heap, true)?)
+        Ok(())
     }
 
     /// Bytes freed by users but still waiting on events (`active` minus `allocated`).

@@ -1,12 +1,15 @@
 //! `gpupool.DevicePtr`: one allocation; it keeps its pool alive and frees itself when dropped.
 
+use super::dlpack::DataType;
 use super::error::{pool_error, size_arg, value_error};
+use super::interop;
 use super::pool::Shared;
+use super::stream::PyStream;
 use crate::core::Handle;
 use crate::pool::Allocation;
-use pyo3::exceptions::PyAttributeError;
+use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyCapsule, PyDict};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -44,11 +47,38 @@ impl PyDevicePtr {
         }
     }
 
+    /// Marks this allocation as used on `stream` (see `Pool.record_stream`).
+    pub fn record_stream(&self, stream: &PyStream) -> PyResult<()> {
+        let id = stream.id_for(&self.shared)?;
+        let mut pool = self.shared.lock()?;
+        self.check_live()?;
+        match self.handle {
+            Some(handle) => pool.record_stream(handle, id).map_err(pool_error),
+            None => Ok(()),
+        }
+    }
+
     fn check_live(&self) -> PyResult<()> {
         if self.freed.load(Ordering::Acquire) {
             return Err(value_error(format!("DevicePtr {:#x} was freed", self.address)));
         }
         Ok(())
+    }
+
+    fn export<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: DataType,
+        shape: Vec<i64>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let this = slf.get();
+        this.check_live()?;
+        this.memory().dlpack(slf.py(), slf.clone().into_any().unbind(), dtype, shape, stream, max_version)
+    }
+
+    fn memory(&self) -> interop::Memory<'_> {
+        interop::Memory { shared: &self.shared, address: self.address, size: self.size, handle: self.handle }
     }
 
     fn check_host(&self) -> PyResult<()> {
@@ -115,6 +145,11 @@ impl PyDevicePtr {
         self.release()
     }
 
+    #[pyo3(name = "record_stream")]
+    fn py_record_stream(&self, stream: &PyStream) -> PyResult<()> {
+        self.record_stream(stream)
+    }
+
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
@@ -143,6 +178,62 @@ impl PyDevicePtr {
         d.set_item("data", (self.address, false))?;
         d.set_item("version", 3)?;
         Ok(d)
+    }
+
+    /// A zero-copy uint8 view for CuPy, Numba and PyTorch (CUDA memory only).
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.check_live()?;
+        self.memory().cuda_array_interface(py, "|u1", &[self.size as i64])
+    }
+
+    fn __dlpack_device__(&self) -> PyResult<(i32, i32)> {
+        interop::dlpack_device(&self.shared)
+    }
+
+    /// A DLPack capsule of the bytes; it keeps this pointer (and its memory) alive.
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__<'py>(
+        slf: &Bound<'py, Self>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let this = slf.get();
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err("gpupool exports memory without copying"));
+        }
+        if dl_device.is_some_and(|d| d != interop::dlpack_device(&this.shared).unwrap_or((-1, -1))) {
+            return Err(PyBufferError::new_err(format!(
+                "cannot export memory of '{}' to {dl_device:?}",
+                this.shared.device
+            )));
+        }
+        Self::export(slf, DataType::BYTE, vec![this.size as i64], stream, max_version)
+    }
+
+    /// DLPack export as `shape` elements of type (`code`, `bits`), for `view`.
+    #[pyo3(signature = (code, bits, shape, stream = None, max_version = None))]
+    fn _dlpack<'py>(
+        slf: &Bound<'py, Self>,
+        code: u8,
+        bits: u8,
+        shape: Vec<i64>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        Self::export(slf, DataType { code, bits, lanes: 1 }, shape, stream, max_version)
+    }
+
+    /// The memory as `shape` elements of `dtype`, with the array protocols (see `gpupool.View`).
+    #[pyo3(signature = (dtype, shape = None))]
+    fn view<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: &Bound<'py, PyAny>,
+        shape: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        slf.py().import("gpupool._view")?.getattr("View")?.call1((slf, dtype, shape))
     }
 
     #[pyo3(signature = (data, offset = None))]

@@ -1,5 +1,6 @@
 //! Maps core, device and pool errors to Python exceptions.
 
+use crate::device::DeviceError;
 use crate::pool::PoolError;
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -14,6 +15,10 @@ pub fn pool_error(e: PoolError) -> PyErr {
     match e {
         PoolError::OutOfMemory(report) => OutOfMemoryError::new_err(report.to_string()),
         PoolError::InvalidSize(_) | PoolError::Heap(_) => PyValueError::new_err(e.to_string()),
+        // Bad addresses, streams and events come from the caller; anything else is the device's.
+        PoolError::Device(
+            d @ (DeviceError::InvalidAddress(_) | DeviceError::InvalidStream(_) | DeviceError::InvalidEvent(_)),
+        ) => PyValueError::new_err(d.to_string()),
         PoolError::Device(d) => PyRuntimeError::new_err(d.to_string()),
     }
 }

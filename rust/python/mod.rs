@@ -1,9 +1,15 @@
 //! The Python extension `gpupool._native`: one file per class, no algorithm.
 
+mod cuda;
 mod device;
 mod device_ptr;
+mod dlpack;
 mod error;
+mod interop;
 mod pool;
+mod replay;
+mod stream;
+mod trace;
 
 use pyo3::prelude::*;
 
@@ -13,8 +19,13 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyPool>()?;
     m.add_class::<device_ptr::PyDevicePtr>()?;
     m.add_class::<device::PyDevice>()?;
+    m.add_class::<stream::PyStream>()?;
+    m.add_class::<trace::PyTrace>()?;
+    m.add_class::<replay::PyReplayResult>()?;
+    m.add_function(wrap_pyfunction!(replay::replay, m)?)?;
     m.add("OutOfMemoryError", m.py().get_type::<error::OutOfMemoryError>())?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    cuda::register(m)?;
     Ok(())
 }
 

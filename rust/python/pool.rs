@@ -1,14 +1,20 @@
 //! `gpupool.Pool`: the Python face of one pool; the GIL is released whenever the device is called.
 
-use super::device::{capacity_arg, open_device};
+use super::cuda::default_device;
+use super::device::{capacity_arg, open_device_mode};
 use super::device_ptr::PyDevicePtr;
 use super::error::{poisoned, pool_error, size_arg, value_error};
+use super::stream::PyStream;
+use super::trace::device_trace;
 use crate::core::{BlockState, Metric, StatType};
 use crate::device::{Device, FaultPlan, Faulty};
-use crate::pool::{Config, Pool, DEFAULT_STREAM};
-use pyo3::exceptions::PyAssertionError;
+use crate::pool::HistoryEntry;
+use crate::pool::{Backend, Config, Pool, Setting, DEFAULT_STREAM, ENV_VAR};
+use crate::trace::{csv, Trace};
+use pyo3::exceptions::{PyAssertionError, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub type DevicePool = Pool<Box<dyn Device>>;
@@ -42,6 +48,9 @@ fn fault_plan(spec: &Bound<'_, PyDict>) -> PyResult<FaultPlan> {
             )));
         }
     }
+    if get("nth")?.is_some() && (get("probability")?.is_some() || get("seed")?.is_some()) {
+        return Err(value_error("inject_faults: give either 'nth' or 'probability' (with 'seed'), not both"));
+    }
     if let Some(nth) = get("nth")? {
         let nth: u64 = nth
             .extract()
@@ -57,6 +66,38 @@ fn fault_plan(spec: &Bound<'_, PyDict>) -> PyResult<FaultPlan> {
     }
     let seed: u64 = get("seed")?.map(|s| s.extract()).transpose()?.unwrap_or(0);
     Ok(FaultPlan::Probability { p, seed })
+}
+
+/// `config`, else the `GPUPOOL_ALLOC_CONF` environment variable, else the defaults.
+fn pool_config(config: Option<&str>) -> PyResult<Config> {
+    match (config, std::env::var(ENV_VAR)) {
+        (Some(text), _) => Config::parse(text).map_err(value_error),
+        (None, Ok(text)) => Config::parse(&text).map_err(|e| value_error(format!("{ENV_VAR}: {e}"))),
+        (None, Err(_)) => Ok(Config::default()),
+    }
+}
+
+/// Settings as a dict of Python values (`None` for unset; divisions as PyTorch's snapshot shows
+/// them, interval start in MiB -> divisions).
+fn settings_dict<'py>(py: Python<'py>, entries: Vec<(&'static str, Setting)>) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    for (key, value) in entries {
+        match value {
+            Setting::Text(text) => dict.set_item(key, text)?,
+            Setting::Int(v) => dict.set_item(key, v)?,
+            Setting::Float(v) => dict.set_item(key, v)?,
+            Setting::Bool(v) => dict.set_item(key, v)?,
+            Setting::Unset => dict.set_item(key, py.None())?,
+            Setting::Divisions(pairs) => {
+                let divisions = PyDict::new(py);
+                for (mb, count) in pairs {
+                    divisions.set_item(mb.to_string(), count)?;
+                }
+                dict.set_item(key, divisions)?;
+            }
+        }
+    }
+    Ok(dict)
 }
 
 /// PyTorch's block state strings (torch/csrc/cuda/memory_snapshot.cpp).
@@ -78,26 +119,28 @@ impl PyPool {
 #[pymethods]
 impl PyPool {
     #[new]
-    #[pyo3(signature = (device = "host", capacity = None, config = None, inject_faults = None))]
+    /// With no `device`, `cuda:0` when a GPU is usable, else `host`.
+    #[pyo3(signature = (device = None, capacity = None, config = None, inject_faults = None))]
     fn new(
-        device: &str,
+        py: Python<'_>,
+        device: Option<&str>,
         capacity: Option<&Bound<'_, PyAny>>,
         config: Option<&str>,
         inject_faults: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let capacity = capacity_arg(capacity)?;
-        let config = Config::parse(config.unwrap_or("")).map_err(value_error)?;
-        let mut backend = open_device(device, capacity)?;
+        let config = pool_config(config)?;
+        let device = device.unwrap_or_else(|| default_device());
+        // PyTorch's `backend:cudaMallocAsync`: segments from the driver's stream-ordered pool.
+        let async_cuda = config.backend == Backend::CudaMallocAsync && device.starts_with("cuda");
+        let mode = if async_cuda { "async" } else { "direct" };
+        let mut backend = py.detach(|| open_device_mode(device, capacity, mode))?;
         if let Some(spec) = inject_faults {
             backend = Box::new(Faulty::new(backend, fault_plan(spec)?));
         }
         let host_accessible = backend.host_accessible();
-        let shared = Shared {
-            pool: Mutex::new(Pool::new(backend, config)),
-            device: device.to_string(),
-            capacity,
-            host_accessible,
-        };
+        let device = backend.name().to_string();
+        let shared = Shared { pool: Mutex::new(Pool::new(backend, config)), device, capacity, host_accessible };
         Ok(PyPool { shared: Arc::new(shared) })
     }
 
@@ -111,24 +154,58 @@ impl PyPool {
         self.shared.capacity
     }
 
-    /// Effective settings, as `key -> value` strings.
+    /// The effective settings, by config key.
     #[getter]
-    fn config(&self) -> PyResult<Vec<(&'static str, String)>> {
-        Ok(self.shared.lock()?.config().entries())
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let entries = self.shared.lock()?.config().entries();
+        settings_dict(py, entries)
     }
 
-    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>) -> PyResult<PyDevicePtr> {
+    #[pyo3(signature = (size, stream = None))]
+    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, stream: Option<&PyStream>) -> PyResult<PyDevicePtr> {
         let size = size_arg(size, "size")?;
+        let stream = stream.map_or(Ok(DEFAULT_STREAM), |s| s.id_for(&self.shared))?;
         if size == 0 {
             return Ok(PyDevicePtr::empty(self.shared.clone()));
         }
         // The cache answers without the device: keep the GIL, it is cheaper than a release.
-        let cached = self.shared.lock()?.alloc_cached(size, DEFAULT_STREAM).map_err(pool_error)?;
+        let cached = self.shared.lock()?.alloc_cached(size, stream).map_err(pool_error)?;
         let allocation = match cached {
             Some(a) => a,
-            None => py.detach(|| self.shared.lock()?.alloc(size).map_err(pool_error))?,
+            None => py.detach(|| self.shared.lock()?.alloc_on(size, stream).map_err(pool_error))?,
         };
         Ok(PyDevicePtr::new(self.shared.clone(), allocation))
+    }
+
+    /// A new stream on this pool's device.
+    fn stream(&self) -> PyResult<PyStream> {
+        let id = self.shared.lock()?.create_stream().map_err(pool_error)?;
+        Ok(PyStream::new(self.shared.clone(), id))
+    }
+
+    /// Wraps a stream made elsewhere from its raw handle (`torch.cuda.current_stream().cuda_stream`,
+    /// `cupy.cuda.get_current_stream().ptr`); gpupool never destroys it. CUDA devices only.
+    fn external_stream(&self, handle: u64) -> PyResult<PyStream> {
+        let id = self.shared.lock()?.device_mut().import_stream(handle).map_err(|e| pool_error(e.into()))?;
+        Ok(PyStream::new(self.shared.clone(), id))
+    }
+
+    #[getter]
+    fn default_stream(&self) -> PyStream {
+        PyStream::new(self.shared.clone(), DEFAULT_STREAM)
+    }
+
+    /// Marks `ptr` as used on `stream`: its free waits for that stream's queued work.
+    fn record_stream(&self, ptr: &PyDevicePtr, stream: &PyStream) -> PyResult<()> {
+        if !ptr.belongs_to(&self.shared) {
+            return Err(value_error("this DevicePtr belongs to another pool"));
+        }
+        ptr.record_stream(stream)
+    }
+
+    /// Waits for every pending event; the blocks they held back become reusable.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.shared.lock()?.synchronize().map_err(pool_error))
     }
 
     fn free(&self, ptr: &PyDevicePtr) -> PyResult<()> {
@@ -183,11 +260,35 @@ impl PyPool {
         self.shared.lock()?.check_invariants().map_err(PyAssertionError::new_err)
     }
 
+    /// Starts recording the newest `max_entries` events (a running record is resized), or with
+    /// `enabled=False` stops and discards the record.
+    #[pyo3(signature = (enabled = true, max_entries = 1_000_000))]
+    fn record_history(&self, enabled: bool, max_entries: usize) -> PyResult<()> {
+        if max_entries == 0 {
+            return Err(value_error("max_entries must be at least 1"));
+        }
+        self.shared.lock()?.record_history(enabled.then_some(max_entries));
+        Ok(())
+    }
+
+    /// Writes the recorded history as an RMM logging CSV, gzip-compressed if `path` ends in `.gz`.
+    fn dump_trace(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        let trace = {
+            let mut pool = self.shared.lock()?;
+            let history =
+                pool.history().ok_or_else(|| value_error("no history is recorded: call record_history() first"))?;
+            Trace::from_history(history)
+        };
+        py.detach(|| csv::write_path(&trace, &path))
+            .map_err(|e| PyOSError::new_err(format!("cannot write {}: {e}", path.display())))
+    }
+
     /// PyTorch's snapshot dict: segments with their blocks, traces, settings.
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (segments, settings) = {
-            let pool = self.shared.lock()?;
-            (pool.segments(), pool.config().entries())
+        let (segments, settings, history) = {
+            let mut pool = self.shared.lock()?;
+            let history: Vec<HistoryEntry> = pool.history().map(|h| h.entries().copied().collect()).unwrap_or_default();
+            (pool.segments(), pool.config().entries(), history)
         };
         let list = PyList::empty(py);
         for seg in segments {
@@ -228,12 +329,8 @@ impl PyPool {
         }
         let snapshot = PyDict::new(py);
         snapshot.set_item("segments", list)?;
-        snapshot.set_item("device_traces", PyList::new(py, [PyList::empty(py)])?)?;
-        let settings_dict = PyDict::new(py);
-        for (key, value) in settings {
-            settings_dict.set_item(key, value)?;
-        }
-        snapshot.set_item("allocator_settings", settings_dict)?;
+        snapshot.set_item("device_traces", PyList::new(py, [device_trace(py, &history)?])?)?;
+        snapshot.set_item("allocator_settings", settings_dict(py, settings)?)?;
         Ok(snapshot)
     }
 }

@@ -1,0 +1,99 @@
+"""``DevicePtr.view``: an allocation as a typed, shaped array for NumPy, CuPy, PyTorch and Numba."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gpupool._native import DevicePtr
+
+# DLPack's type codes by the array-interface kind letter.
+_DLPACK_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
+
+# Names accepted without NumPy; with NumPy, anything `numpy.dtype` understands is.
+_NAMED_TYPES = {
+    "bool": "|b1",
+    "int8": "|i1",
+    "uint8": "|u1",
+    **{f"{kind}{bits}": f"<{kind[0]}{bits // 8}" for kind in ("int", "uint") for bits in (16, 32, 64)},
+    **{f"float{bits}": f"<f{bits // 8}" for bits in (16, 32, 64)},
+    "complex64": "<c8",
+    "complex128": "<c16",
+}
+
+
+def _typestr(dtype: Any) -> str:
+    """The array-interface type string (``<f4``) of ``dtype``: a NumPy dtype, type or name."""
+    try:
+        import numpy
+    except ImportError:
+        numpy = None
+    if numpy is not None:
+        typestr = numpy.dtype(dtype).str
+    else:
+        name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", str(dtype))
+        typestr = _NAMED_TYPES.get(name, name)
+    if len(typestr) < 3 or typestr[0] not in "<|" or typestr[1] not in _DLPACK_CODES or not typestr[2:].isdigit():
+        raise TypeError(f"unsupported dtype {dtype!r}: expected a little-endian bool, int, uint, float or complex type")
+    return typestr
+
+
+class View:
+    """``shape`` elements of ``dtype`` at the start of ``ptr``, C-contiguous; it keeps ``ptr`` alive.
+
+    It speaks ``__array_interface__`` (host memory), ``__cuda_array_interface__`` (CUDA memory) and
+    DLPack (both), so ``numpy.asarray``, ``numpy.from_dlpack``, ``cupy.asarray``,
+    ``torch.from_dlpack`` and ``numba.cuda.as_cuda_array`` wrap it without copying.
+    """
+
+    __slots__ = ("ptr", "typestr", "shape")
+
+    def __init__(self, ptr: DevicePtr, dtype: Any, shape: int | tuple[int, ...] | None = None) -> None:
+        typestr = _typestr(dtype)
+        itemsize = int(typestr[2:])
+        if shape is None:
+            shape = (ptr.size // itemsize,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(int(extent) for extent in shape)
+        if any(extent < 0 for extent in shape):
+            raise ValueError(f"shape {shape} has a negative extent")
+        if math.prod(shape) * itemsize > ptr.size:
+            raise ValueError(f"shape {shape} of {typestr} needs more than the {ptr.size} bytes allocated")
+        self.ptr = ptr
+        self.typestr = typestr
+        self.shape = shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * int(self.typestr[2:])
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {**self.ptr.__array_interface__, "shape": self.shape, "typestr": self.typestr}
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {**self.ptr.__cuda_array_interface__, "shape": self.shape, "typestr": self.typestr}
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.ptr.__dlpack_device__()
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        if copy:
+            raise BufferError("gpupool exports memory without copying")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"cannot export memory of '{self.ptr.device}' to {dl_device}")
+        code = _DLPACK_CODES[self.typestr[1]]
+        bits = 8 * int(self.typestr[2:])
+        return self.ptr._dlpack(code, bits, list(self.shape), stream, max_version)
+
+    def __repr__(self) -> str:
+        return f"View({self.ptr!r}, dtype={self.typestr!r}, shape={self.shape})"

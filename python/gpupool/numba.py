@@ -1,0 +1,75 @@
+"""Numba: an External Memory Management plugin that allocates device arrays from gpupool.
+
+``numba.cuda.set_memory_manager(gpupool.numba.GpupoolMemoryManager)``, or set
+``NUMBA_CUDA_MEMORY_MANAGER=gpupool.numba`` before Numba starts. The class is built on first
+access, so importing this module does not import Numba.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import gpupool
+
+__all__ = ["GpupoolMemoryManager"]
+
+
+def _device_pointer(address: int) -> Any:
+    """The pointer type Numba's driver layer expects: the NVIDIA binding's, or ctypes'."""
+    from numba.cuda.cudadrv import driver
+
+    # numba-cuda always has the NVIDIA binding (and no flag); older Numba names it with a flag.
+    if getattr(driver, "USE_NV_BINDING", hasattr(driver, "binding")):
+        return driver.binding.CUdeviceptr(address)
+    return ctypes.c_uint64(address)
+
+
+def _build() -> type:
+    from numba.cuda import HostOnlyCUDAMemoryManager, MemoryPointer
+
+    class GpupoolMemoryManager(HostOnlyCUDAMemoryManager):
+        """Device memory from one gpupool pool per Numba context; host memory as Numba does it."""
+
+        def initialize(self) -> None:
+            self.pool = gpupool.Pool(f"cuda:{self.context.device.id}")
+
+        def memalloc(self, size: int) -> MemoryPointer:
+            ptr = self.pool.alloc(size)
+            # Keyed by identity: every zero-byte allocation has address 0.
+            key = id(ptr)
+            self.allocations[key] = ptr
+            allocations = self.allocations
+
+            def finalize() -> None:
+                # After a context reset the table is already empty; the pointer went with it.
+                allocations.pop(key, None)
+
+            return MemoryPointer(self.context, _device_pointer(ptr.ptr), size, finalizer=finalize)
+
+        def get_memory_info(self) -> Any:
+            # Numba's own answer would ask this plugin again; the pool's figures are not the
+            # device's free memory either.
+            raise NotImplementedError("ask the driver (cuMemGetInfo) for device memory figures")
+
+        def get_ipc_handle(self, memory: MemoryPointer) -> Any:
+            raise NotImplementedError("gpupool does not export IPC handles")
+
+        def reset(self) -> None:
+            super().reset()
+            self.pool.empty_cache()
+
+        @property
+        def interface_version(self) -> int:
+            return 1
+
+    return GpupoolMemoryManager
+
+
+def __getattr__(name: str) -> Any:
+    # `_numba_memory_manager` is the name Numba's NUMBA_CUDA_MEMORY_MANAGER variable looks up.
+    if name in ("GpupoolMemoryManager", "_numba_memory_manager"):
+        cls = _build()
+        globals().update(GpupoolMemoryManager=cls, _numba_memory_manager=cls)
+        return cls
+    raise AttributeError(f"module 'gpupool.numba' has no attribute {name!r}")

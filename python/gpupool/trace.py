@@ -1,0 +1,214 @@
+"""Allocation traces: load RMM logging CSVs and PyTorch memory snapshots, replay them on a pool."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple, Union
+
+from gpupool import _native
+from gpupool._native import ReplayResult
+
+__all__ = ["Event", "ReplayResult", "Trace", "from_snapshot", "load", "replay"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+_PICKLE_PROTOCOL_2_OR_LATER = 0x80
+_GZIP_MAGIC = b"\x1f\x8b"
+# Events are fetched from the native trace in chunks, so iterating costs no full copy.
+_CHUNK = 65536
+# Snapshot block states of memory a user holds (pending: freed, waiting for other streams).
+_ACTIVE_STATES = ("active_allocated", "active_pending_free")
+
+
+class Event(NamedTuple):
+    """One trace event: ``action`` is ``alloc``, ``free`` or ``oom`` (a recorded failure)."""
+
+    action: str
+    address: int
+    size: int
+    stream: int
+    time_us: float
+
+
+class Trace:
+    """A loaded trace: events in order, every free paired with its allocation."""
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: _native.Trace) -> None:
+        self._native = native
+
+    @property
+    def name(self) -> str:
+        """Where the trace came from (a file name, for loaded traces)."""
+        return self._native.name
+
+    @property
+    def streams(self) -> list[int]:
+        """The traced program's stream handles, in order of first use."""
+        return self._native.streams
+
+    @property
+    def peak_live_bytes(self) -> int:
+        """The most bytes live at once, as requested: what any allocator must hold at least."""
+        return self._native.peak_live_bytes
+
+    @property
+    def allocations(self) -> int:
+        """How many allocations the trace makes (failed ones excluded)."""
+        return self._native.allocations
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def __iter__(self) -> Iterator[Event]:
+        for start in range(0, len(self), _CHUNK):
+            yield from map(Event._make, self._native.events(start, start + _CHUNK))
+
+    def __repr__(self) -> str:
+        return (
+            f"Trace({self.name!r}, events={len(self)}, streams={len(self.streams)}, "
+            f"peak_live_bytes={self.peak_live_bytes})"
+        )
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only plain containers and scalars: every class or function lookup is refused, so
+    unpickling cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"it holds a {module}.{name} object; only plain dicts, lists, strings and numbers "
+            "are read"
+        )
+
+
+def _is_pickle(path: PathLike) -> bool:
+    with open(path, "rb") as file:
+        head = file.read(2)
+    if head == _GZIP_MAGIC:
+        try:
+            with gzip.open(path, "rb") as file:
+                head = file.read(1)
+        except (OSError, EOFError):
+            return False  # the CSV reader reports the corrupt file, naming its line
+    return head[:1] == bytes([_PICKLE_PROTOCOL_2_OR_LATER])
+
+
+def _read_pickle(path: PathLike) -> Any:
+    with open(path, "rb") as raw:
+        compressed = raw.read(2) == _GZIP_MAGIC
+    try:
+        with gzip.open(path, "rb") if compressed else open(path, "rb") as file:
+            return _PlainUnpickler(file).load()
+    # A damaged pickle fails in many ways (truncation, bad opcodes, stack underflow); to the
+    # caller they all mean the same.
+    except Exception as error:
+        message = f"{os.fspath(path)}: not a readable PyTorch memory snapshot: {error}"
+        raise ValueError(message) from None
+
+
+def load(path: PathLike, device: int | None = None) -> Trace:
+    """Reads a trace file: an RMM logging CSV (plain or gzip) or a PyTorch memory snapshot
+    pickle (``torch.cuda.memory._dump_snapshot``), told apart by their first bytes.
+
+    ``device`` picks a snapshot's device; by default the one device with trace entries.
+    Malformed input raises ``ValueError`` naming the file and the line or entry.
+    """
+    if _is_pickle(path):
+        return from_snapshot(_read_pickle(path), device=device, name=os.fspath(path))
+    return Trace(_native.Trace.read_csv(os.fspath(path)))
+
+
+Row = tuple[str, int, int, int, float]
+
+
+def _entry_row(entry: Any, where: str) -> Row:
+    """``(action, addr, size, stream, time_us)`` of one ``device_traces`` entry."""
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("action"), str):
+        raise ValueError(f"{where}: expected a dict with an 'action', got {entry!r:.80}")
+    action = entry["action"]
+    time_us = entry.get("time_us", 0)
+    if not isinstance(time_us, (int, float)) or isinstance(time_us, bool):
+        raise ValueError(f"{where}: 'time_us' must be a number, got {time_us!r}")
+    if action == "snapshot":
+        return (action, 0, 0, 0, float(time_us))
+    # An `oom` entry holds the device's free bytes where others hold the block's address.
+    address_key = "device_free" if action == "oom" else "addr"
+    values = [entry.get(address_key), entry.get("size"), entry.get("stream", 0)]
+    for key, value in zip((address_key, "size", "stream"), values, strict=True):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{where}: '{key}' must be a non-negative int, got {value!r}")
+    return (action, values[0], values[1], values[2], float(time_us))
+
+
+def _live_before(rows: list[Row], segments: list[Mapping[str, Any]]) -> list[tuple[int, int, int]]:
+    """Blocks allocated before recording began, as ``(addr, size, stream)``: those whose first
+    entry is a free (PyTorch's viewer draws them the same way), and those the snapshot's
+    segments show allocated that the trace never touches."""
+    seen: set[int] = set()
+    before: list[tuple[int, int, int]] = []
+    for action, address, size, stream, _ in rows:
+        if action == "free_completed" and address not in seen:
+            before.append((address, size, stream))
+        if action in ("alloc", "free_completed"):
+            seen.add(address)
+    # A block the trace never touches was allocated before it and is still live.
+    for segment in segments:
+        if not isinstance(segment.get("blocks"), list):
+            continue
+        for block in segment["blocks"]:
+            active = isinstance(block, Mapping) and block.get("state") in _ACTIVE_STATES
+            address = block.get("address") if active else None
+            if isinstance(address, int) and address not in seen:
+                size = block.get("requested_size") or block.get("size")
+                stream = segment.get("stream", 0)
+                if isinstance(size, int) and isinstance(stream, int):
+                    before.append((address, size, stream))
+    return before
+
+
+def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapshot") -> Trace:
+    """A trace from a PyTorch snapshot dict (or ``Pool.snapshot()``): its ``alloc`` and
+    ``free_completed`` entries, ``oom`` entries as recorded failures, and the blocks allocated
+    before recording began as allocations at the start."""
+    traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise ValueError(f"{name}: not a memory snapshot (no 'device_traces' list of lists)")
+    if device is None:
+        recorded = [index for index, entries in enumerate(traces) if entries]
+        if len(recorded) > 1:
+            raise ValueError(f"{name}: devices {recorded} have traces; pick one with device=N")
+        device = recorded[0] if recorded else 0
+    if not 0 <= device < max(len(traces), 1):
+        raise ValueError(f"{name}: no device {device} (the snapshot has {len(traces)})")
+    entries = traces[device] if traces else []
+    where = f"{name}, device_traces[{device}]"
+    rows = [_entry_row(entry, f"{where}, entry {index}") for index, entry in enumerate(entries)]
+    all_segments = snapshot.get("segments")
+    segments = [
+        s
+        for s in (all_segments if isinstance(all_segments, list) else [])
+        if isinstance(s, Mapping) and s.get("device", 0) == device
+    ]
+    native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments))
+    return Trace(native)
+
+
+def replay(
+    trace: Trace | PathLike,
+    config: str | None = None,
+    capacity: int | str | None = None,
+    min_capacity: bool = False,
+    device: str = "sim",
+) -> ReplayResult:
+    """Replays ``trace`` (a ``Trace`` or a file to load) on a fresh pool with ``config``
+    (PyTorch's ``key:value,...`` string) over ``device`` (``sim``, unlimited unless ``capacity``
+    is given, or ``host``). Allocations that do not fit are counted in ``ooms`` and skipped.
+    With ``min_capacity``, also searches for the smallest ``sim`` capacity without an OOM, to
+    within 0.5%."""
+    if not isinstance(trace, Trace):
+        trace = load(trace)
+    return _native.replay(trace._native, config, capacity, min_capacity, device)

@@ -1,0 +1,209 @@
+//! Reaching the CUDA driver without ever panicking: the probe, error translation, the context.
+//!
+//! cudarc loads `libcuda` on first use and panics when the library or a symbol is missing. Every
+//! path into the driver therefore starts at [`probe`], which looks for the library and for each
+//! symbol gpupool calls before the first real driver call, inside `catch_unwind`.
+
+use crate::device::DeviceError;
+use cudarc::driver::sys::{self, CUresult};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+/// The oldest driver gpupool accepts (CUDA 12.0), as `cuDriverGetVersion` encodes it.
+pub const MIN_DRIVER_VERSION: i32 = 12000;
+
+/// What every CUDA device needs: context, segments, copies, streams and events.
+const CORE_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGet",
+    "cuDeviceGetCount",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemGetInfo_v2",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamQuery",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+];
+
+/// The driver's stream-ordered pool, for [`super::Mode::Async`].
+pub const ASYNC_SYMBOLS: &[&str] = &["cuMemAllocAsync", "cuMemFreeAsync"];
+
+/// Virtual memory management, for reserved address ranges backed page by page.
+pub const VMM_SYMBOLS: &[&str] = &[
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+];
+
+/// What the probe learned about the installed driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverInfo {
+    /// `major * 1000 + minor * 10`, as the driver reports it.
+    pub version: i32,
+    pub device_count: i32,
+}
+
+/// `12.8` for `12080`.
+pub fn version_text(version: i32) -> String {
+    format!("{}.{}", version / 1000, (version % 1000) / 10)
+}
+
+/// Loads and checks the driver once per process; every later call returns the same answer.
+pub fn probe() -> Result<DriverInfo, DeviceError> {
+    static PROBE: OnceLock<Result<DriverInfo, String>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            catch_unwind(probe_uncached)
+                .unwrap_or_else(|_| Err("the CUDA driver could not be loaded (cudarc panicked while probing)".into()))
+        })
+        .clone()
+        .map_err(DeviceError::Driver)
+}
+
+fn probe_uncached() -> Result<DriverInfo, String> {
+    // SAFETY: `is_culib_present` only tries to open candidate library names and closes them.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver found: libcuda.so.1 could not be loaded (is the NVIDIA driver installed, and \
+                    LD_LIBRARY_PATH right?)"
+            .into());
+    }
+    find_symbols(CORE_SYMBOLS)?;
+    let mut version = 0;
+    // SAFETY: the symbol exists (checked above) and writes one int through a valid pointer.
+    check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) }).map_err(|e| e.to_string())?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(format!(
+            "the CUDA driver is too old: it supports CUDA {}, gpupool needs CUDA {} or newer (update the NVIDIA \
+             driver)",
+            version_text(version),
+            version_text(MIN_DRIVER_VERSION)
+        ));
+    }
+    // SAFETY: cuInit takes flags 0 and may be called any number of times.
+    check("cuInit", unsafe { sys::cuInit(0) }).map_err(|e| format!("the CUDA driver failed to start: {e}"))?;
+    let mut device_count = 0;
+    // SAFETY: writes one int through a valid pointer, after cuInit succeeded.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut device_count) }).map_err(|e| e.to_string())?;
+    Ok(DriverInfo { version, device_count })
+}
+
+fn find_symbols(names: &[&str]) -> Result<(), String> {
+    // SAFETY: only called after `is_culib_present` found the library, so `culib` opens it rather
+    // than panicking (and a panic would be caught by the caller's `catch_unwind` anyway). Looking
+    // a symbol up calls nothing.
+    let library = unsafe { sys::culib() };
+    for name in names {
+        // SAFETY: the symbol is only looked up, never called through this type.
+        if unsafe { library.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err() {
+            return Err(format!("the CUDA driver lacks {name} (is it older than CUDA 12?)"));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that the optional `names` exist, after a successful [`probe`].
+pub fn require_symbols(names: &[&str], feature: &str) -> Result<(), DeviceError> {
+    probe()?;
+    catch_unwind(AssertUnwindSafe(|| find_symbols(names)))
+        .unwrap_or_else(|_| Err("the CUDA driver could not be loaded".into()))
+        .map_err(|e| DeviceError::Driver(format!("{feature} unavailable: {e}")))
+}
+
+/// A driver status as a `DeviceError` naming the call; never asks the driver for error text
+/// (that would be one more symbol that may be missing).
+pub fn check(call: &str, code: CUresult) -> Result<(), DeviceError> {
+    if code == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(DeviceError::Driver(format!("{call} failed with {code:?}")))
+    }
+}
+
+/// Like [`check`], but an out-of-memory status becomes [`DeviceError::OutOfMemory`].
+pub fn check_alloc(call: &str, code: CUresult, requested: u64) -> Result<(), DeviceError> {
+    match code {
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory { requested }),
+        code => check(call, code),
+    }
+}
+
+/// `Ok(true)` when finished, `Ok(false)` for `CUDA_ERROR_NOT_READY`, else the error.
+pub fn check_ready(call: &str, code: CUresult) -> Result<bool, DeviceError> {
+    match code {
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        code => check(call, code).map(|()| true),
+    }
+}
+
+/// A device's primary context (the one the CUDA runtime, PyTorch and CuPy share), retained for
+/// as long as this value lives. Handles are kept as integers so devices stay `Send`.
+#[derive(Debug)]
+pub struct Context {
+    ordinal: i32,
+    device: sys::CUdevice,
+    raw: u64,
+}
+
+impl Context {
+    pub fn retain(ordinal: i32) -> Result<Self, DeviceError> {
+        let info = probe()?;
+        if ordinal < 0 || ordinal >= info.device_count {
+            return Err(DeviceError::Driver(format!(
+                "cuda:{ordinal} does not exist: the driver sees {} CUDA device(s)",
+                info.device_count
+            )));
+        }
+        let mut device = 0;
+        // SAFETY: the driver is initialized (probe) and `ordinal` is in range.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut device, ordinal) })?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: `device` is a valid device handle; the context is released in `drop`.
+        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut raw, device) })?;
+        Ok(Context { ordinal, device, raw: raw as u64 })
+    }
+
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Makes this context current on the calling thread. Python threads, PyTorch's autograd
+    /// threads and the C ABI's callers all reach a device from threads of their own, and another
+    /// library may have made a different context current since our last call.
+    pub fn bind(&self) -> Result<(), DeviceError> {
+        let mut current = std::ptr::null_mut();
+        // SAFETY: writes one context handle through a valid pointer.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+        if current as u64 != self.raw {
+            // SAFETY: `raw` is a primary context this value retains.
+            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw as sys::CUcontext) })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `Context::retain`. A failure (the driver shutting down
+        // at exit) leaves nothing to clean up.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}

@@ -1,0 +1,359 @@
+//! The grammar (PyTorch's: spaces ignored, items split at commas outside brackets) and what
+//! each key accepts; then the keys resolved into a [`Config`], in any order.
+
+use super::{Backend, Config, ConfigError, CrossStreamReuse, Strategy};
+use super::{DEFAULT_ARENA_MB, DEFAULT_PAGE_MB, MIB, MIN_SPLIT_LIMIT_MB};
+use crate::core::{Rules, POWER2_INTERVALS};
+
+/// Every key, for the message naming an unknown one.
+const KNOWN_KEYS: &str = "strategy, backend, max_split_size_mb, max_non_split_rounding_mb, \
+    roundup_power2_divisions, garbage_collection_threshold, expandable_segments, \
+    release_lock_on_cudamalloc, per_process_memory_fraction, large_segment_size_mb, \
+    release_threshold, initial_pool_size_mb, page_size_mb, cross_stream_reuse";
+
+/// Megabyte counts stay far from overflowing when multiplied out.
+const MAX_MB: u64 = 1 << 40;
+
+/// The `(key, value)` items of a config string.
+pub(super) fn items(text: &str) -> Result<Vec<(String, String)>, ConfigError> {
+    let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    let mut pieces = Vec::new();
+    let (mut depth, mut start) = (0usize, 0);
+    for (i, c) in compact.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => {
+                depth = depth.checked_sub(1).ok_or_else(|| ConfigError(format!("unbalanced ']' in config '{text}'")))?
+            }
+            ',' if depth == 0 => {
+                pieces.push(&compact[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if depth != 0 {
+        return Err(ConfigError(format!("unclosed '[' in config '{text}'")));
+    }
+    pieces.push(&compact[start..]);
+    pieces
+        .into_iter()
+        .filter(|item| !item.is_empty())
+        .map(|item| match item.split_once(':') {
+            Some((key, value)) if !key.is_empty() && !value.is_empty() => Ok((key.to_string(), value.to_string())),
+            Some((key, _)) if !key.is_empty() => Err(ConfigError(format!("config key '{key}' needs a value"))),
+            _ => Err(ConfigError(format!("config item '{item}' is not key:value"))),
+        })
+        .collect()
+}
+
+/// The keys a string set, before they are resolved against each other.
+#[derive(Default)]
+pub(super) struct Keys {
+    strategy: Option<Strategy>,
+    backend: Option<Backend>,
+    expandable_segments: Option<bool>,
+    max_split_size_mb: Option<u64>,
+    max_non_split_rounding_mb: Option<u64>,
+    power2_divisions: Option<[u32; POWER2_INTERVALS]>,
+    large_segment_size_mb: Option<u64>,
+    garbage_collection_threshold: Option<f64>,
+    per_process_memory_fraction: Option<f64>,
+    release_lock_on_cudamalloc: bool,
+    release_threshold: Option<f64>,
+    initial_pool_size_mb: Option<u64>,
+    page_size_mb: Option<u64>,
+    cross_stream_reuse: Option<CrossStreamReuse>,
+}
+
+impl Keys {
+    /// Records one item; a later item with the same key wins, as in PyTorch.
+    pub(super) fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        match key {
+            "strategy" => self.strategy = Some(choice(key, value, &Strategy::ALL.map(|s| (s.name(), s)))?),
+            "backend" => {
+                let backends = [("native", Backend::Native), ("cudaMallocAsync", Backend::CudaMallocAsync)];
+                self.backend = Some(choice(key, value, &backends)?);
+            }
+            "max_split_size_mb" => self.max_split_size_mb = Some(at_least(key, value, MIN_SPLIT_LIMIT_MB)?),
+            "max_non_split_rounding_mb" => {
+                self.max_non_split_rounding_mb = Some(at_least(key, value, MIN_SPLIT_LIMIT_MB)?)
+            }
+            "roundup_power2_divisions" => {
+                let table = divisions(value).map_err(|why| ConfigError(format!("config key '{key}': {why}")))?;
+                self.power2_divisions = Some(table);
+            }
+            "large_segment_size_mb" => self.large_segment_size_mb = Some(at_least(key, value, 10)?),
+            "garbage_collection_threshold" => {
+                self.garbage_collection_threshold = Some(fraction(key, value, false)?);
+            }
+            "per_process_memory_fraction" => self.per_process_memory_fraction = Some(fraction(key, value, true)?),
+            "expandable_segments" => self.expandable_segments = Some(boolean(key, value)?),
+            "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
+                self.release_lock_on_cudamalloc = boolean(key, value)?;
+            }
+            "release_threshold" => self.release_threshold = Some(fraction(key, value, true)?),
+            "initial_pool_size_mb" => self.initial_pool_size_mb = Some(at_least(key, value, 0)?),
+            "page_size_mb" => self.page_size_mb = Some(at_least(key, value, 1)?),
+            "cross_stream_reuse" => {
+                let modes = [CrossStreamReuse::Never, CrossStreamReuse::Completed, CrossStreamReuse::Wait];
+                self.cross_stream_reuse = Some(choice(key, value, &modes.map(|m| (m.name(), m)))?);
+            }
+            // PyTorch's pinned host memory and CUDA graph keys: nothing here for them to tune.
+            "pinned_use_cuda_host_register"
+            | "pinned_use_hip_host_register"
+            | "pinned_use_background_threads"
+            | "pinned_free_catch_all"
+            | "graph_capture_record_stream_reuse"
+            | "throw_on_cudamalloc_oom" => {
+                boolean(key, value)?;
+            }
+            "pinned_num_register_threads" | "pinned_reserve_segment_size_mb" => {
+                at_least(key, value, 1)?;
+            }
+            _ => return Err(ConfigError(format!("unknown config key '{key}' (known keys: {KNOWN_KEYS})"))),
+        }
+        Ok(())
+    }
+
+    pub(super) fn build(self) -> Result<Config, ConfigError> {
+        let strategy = self.strategy()?;
+        let default_initial = if strategy == Strategy::Arena { DEFAULT_ARENA_MB } else { 0 };
+        let initial_mb = self.initial_pool_size_mb.unwrap_or(default_initial);
+        let mut rules = match strategy {
+            Strategy::Pytorch | Strategy::Expandable => Rules::pytorch(),
+            Strategy::Bfc => Rules::bfc(),
+            Strategy::Arena => Rules::arena((if initial_mb > 0 { initial_mb } else { DEFAULT_ARENA_MB }) * MIB),
+            Strategy::Eager => Rules::eager(),
+            Strategy::Direct => Rules::direct(),
+            Strategy::Default => return Err(ConfigError("strategy 'default' is not implemented yet".into())),
+        };
+        if let Some(mb) = self.max_split_size_mb {
+            rules.max_split_size = mb * MIB;
+        }
+        if let Some(mb) = self.max_non_split_rounding_mb {
+            rules.max_non_split_rounding = mb * MIB;
+        }
+        if let Some(mb) = self.large_segment_size_mb {
+            rules.large_segment = mb * MIB;
+        }
+        rules.power2_divisions = self.power2_divisions.filter(|table| table.iter().any(|&d| d > 1));
+        let page_size = (strategy == Strategy::Expandable).then(|| self.page_size_mb.unwrap_or(DEFAULT_PAGE_MB) * MIB);
+        Ok(Config {
+            strategy,
+            rules,
+            cross_stream_reuse: self.cross_stream_reuse.unwrap_or_default(),
+            page_size,
+            backend: self.backend.unwrap_or_default(),
+            // Without pooling every free goes straight back to the device.
+            release_threshold: self.release_threshold.or((strategy == Strategy::Direct).then_some(0.0)),
+            garbage_collection_threshold: self.garbage_collection_threshold,
+            per_process_memory_fraction: self.per_process_memory_fraction,
+            initial_pool_size: initial_mb * MIB,
+            release_lock_on_cudamalloc: self.release_lock_on_cudamalloc,
+        })
+    }
+
+    /// The strategy named, or implied by PyTorch's `backend` and `expandable_segments`; keys
+    /// that disagree are an error.
+    fn strategy(&self) -> Result<Strategy, ConfigError> {
+        let mut implied = Vec::new();
+        if self.backend == Some(Backend::CudaMallocAsync) {
+            implied.push(("backend:cudaMallocAsync", Strategy::Direct));
+        }
+        if let Some(expandable) = self.expandable_segments {
+            let wants = |s: Strategy| (s == Strategy::Expandable) == expandable;
+            let label = if expandable { "expandable_segments:True" } else { "expandable_segments:False" };
+            match self.strategy {
+                Some(s) if !wants(s) => return Err(conflict(label, s)),
+                _ if expandable => implied.push((label, Strategy::Expandable)),
+                _ => {}
+            }
+        }
+        let chosen = self.strategy.or(implied.first().map(|&(_, s)| s)).unwrap_or_default();
+        match implied.iter().find(|&&(_, s)| s != chosen) {
+            Some(&(label, _)) => Err(conflict(label, chosen)),
+            None => Ok(chosen),
+        }
+    }
+}
+
+fn conflict(label: &str, strategy: Strategy) -> ConfigError {
+    ConfigError(format!("config '{label}' contradicts strategy '{}'", strategy.name()))
+}
+
+fn choice<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T, ConfigError> {
+    options.iter().find(|(name, _)| *name == value).map(|&(_, v)| v).ok_or_else(|| {
+        let names: Vec<&str> = options.iter().map(|(name, _)| *name).collect();
+        ConfigError(format!("config key '{key}' must be one of {}, got '{value}'", names.join(", ")))
+    })
+}
+
+fn at_least(key: &str, value: &str, min: u64) -> Result<u64, ConfigError> {
+    value
+        .parse::<u64>()
+        .ok()
+        .filter(|v| (min..MAX_MB).contains(v))
+        .ok_or_else(|| ConfigError(format!("config key '{key}' needs an integer of at least {min}, got '{value}'")))
+}
+
+/// A float in [0, 1] (`closed`) or (0, 1).
+fn fraction(key: &str, value: &str, closed: bool) -> Result<f64, ConfigError> {
+    let ok = |v: &f64| if closed { (0.0..=1.0).contains(v) } else { *v > 0.0 && *v < 1.0 };
+    value.parse::<f64>().ok().filter(ok).ok_or_else(|| {
+        let range = if closed { "[0, 1]" } else { "(0, 1)" };
+        ConfigError(format!("config key '{key}' needs a number in {range}, got '{value}'"))
+    })
+}
+
+fn boolean(key: &str, value: &str) -> Result<bool, ConfigError> {
+    match value {
+        "True" | "true" => Ok(true),
+        "False" | "false" => Ok(false),
+        _ => Err(ConfigError(format!("config key '{key}' needs True or False, got '{value}'"))),
+    }
+}
+
+/// `roundup_power2_divisions`: one count for every interval, or `[start_mb:count, ...,
+/// >:count]` where the first start also covers the intervals below it and `>` every interval
+/// after the last start named (PyTorch's reading).
+fn divisions(value: &str) -> Result<[u32; POWER2_INTERVALS], String> {
+    let count = |text: &str, zero_ok: bool| {
+        text.parse::<u32>().ok().filter(|&n| n.is_power_of_two() || (zero_ok && n == 0)).ok_or_else(|| {
+            format!("divisions must be a power of two{}, got '{text}'", if zero_ok { " or 0" } else { "" })
+        })
+    };
+    let Some(list) = value.strip_prefix('[').and_then(|v| v.strip_suffix(']')) else {
+        return Ok([count(value, false)?; POWER2_INTERVALS]);
+    };
+    let mut table = [0; POWER2_INTERVALS];
+    let mut last = None;
+    for pair in list.split(',').filter(|p| !p.is_empty()) {
+        let (start, n) = pair.split_once(':').ok_or_else(|| format!("'{pair}' is not start_mb:divisions"))?;
+        let n = count(n, true)?;
+        if start == ">" {
+            table[last.map_or(1, |i: usize| i + 1).min(POWER2_INTERVALS)..].fill(n);
+            continue;
+        }
+        let mb = start
+            .parse::<u64>()
+            .ok()
+            .filter(|v| v.is_power_of_two())
+            .ok_or_else(|| format!("interval starts are powers of two in MiB or '>', got '{start}'"))?;
+        let index = (mb.ilog2() as usize).min(POWER2_INTERVALS - 1);
+        if last.is_none() {
+            table[..index].fill(n);
+        }
+        table[index] = n;
+        last = Some(index);
+    }
+    Ok(table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::{SegmentGrowth, SplitPolicy};
+
+    fn err(text: &str) -> String {
+        Config::parse(text).unwrap_err().0
+    }
+
+    #[test]
+    fn pytorch_keys_parse_as_pytorch_reads_them() {
+        let c = Config::parse(
+            "backend:native, max_split_size_mb:64,max_non_split_rounding_mb:32,\
+             roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.6,\
+             expandable_segments:False,release_lock_on_cudamalloc:True,\
+             per_process_memory_fraction:0.5,large_segment_size_mb:32,pinned_use_cuda_host_register:True,\
+             pinned_num_register_threads:8",
+        )
+        .unwrap();
+        assert_eq!(c.strategy, Strategy::Pytorch);
+        assert_eq!((c.rules.max_split_size, c.rules.max_non_split_rounding), (64 * MIB, 32 * MIB));
+        assert_eq!(c.rules.power2_divisions.unwrap(), [1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 8, 8, 8, 8, 8, 8]);
+        assert_eq!(c.garbage_collection_threshold, Some(0.6));
+        assert_eq!(c.per_process_memory_fraction, Some(0.5));
+        assert_eq!(c.rules.large_segment, 32 * MIB);
+        assert!(c.release_lock_on_cudamalloc && c.page_size.is_none());
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+        assert_eq!(Config::parse(" , ").unwrap(), Config::default());
+        assert_eq!(Config::parse("roundup_power2_divisions:4").unwrap().rules.power2_divisions, Some([4; 16]));
+        assert_eq!(Config::parse("roundup_power2_divisions:[>:0]").unwrap().rules.power2_divisions, None);
+    }
+
+    #[test]
+    fn strategies_choose_their_rules() {
+        let parse = |s: &str| Config::parse(&format!("strategy:{s}")).unwrap();
+        assert_eq!(parse("pytorch"), Config::default());
+        assert_eq!(parse("bfc").rules, Rules::bfc());
+        let arena = parse("arena");
+        assert_eq!((arena.initial_pool_size, arena.rules.growth_unit), (1024 * MIB, 1024 * MIB));
+        let small = Config::parse("strategy:arena,initial_pool_size_mb:64").unwrap();
+        assert_eq!((small.initial_pool_size, small.rules.growth_unit), (64 * MIB, 64 * MIB));
+        assert_eq!(parse("eager").rules.split, SplitPolicy::Bfc);
+        let direct = parse("direct");
+        assert_eq!((direct.rules.growth, direct.release_threshold), (SegmentGrowth::Exact, Some(0.0)));
+        assert_eq!(parse("expandable").page_size, Some(2 * MIB));
+        let pages = Config::parse("page_size_mb:20,expandable_segments:True").unwrap();
+        assert_eq!((pages.strategy, pages.page_size), (Strategy::Expandable, Some(20 * MIB)));
+        // Order does not matter: overrides apply on top of the preset.
+        let bfc = Config::parse("max_split_size_mb:40,strategy:bfc").unwrap();
+        assert_eq!((bfc.rules.granule, bfc.rules.max_split_size), (256, 40 * MIB));
+        let async_backend = Config::parse("backend:cudaMallocAsync").unwrap();
+        assert_eq!((async_backend.strategy, async_backend.backend), (Strategy::Direct, Backend::CudaMallocAsync));
+        let watermark = Config::parse("release_threshold:0.2,strategy:direct").unwrap();
+        assert_eq!(watermark.release_threshold, Some(0.2));
+    }
+
+    #[test]
+    fn bad_input_names_the_key() {
+        for (text, needle) in [
+            ("bogus:1", "unknown config key 'bogus'"),
+            ("max_split_size_mb:x", "max_split_size_mb"),
+            ("max_split_size_mb:4", "at least 20"),
+            ("max_split_size_mb", "key:value"),
+            ("max_split_size_mb:", "needs a value"),
+            ("max_non_split_rounding_mb:8", "max_non_split_rounding_mb"),
+            ("strategy:tlsf", "strategy"),
+            ("backend:cuda", "backend"),
+            ("garbage_collection_threshold:1.0", "garbage_collection_threshold"),
+            ("garbage_collection_threshold:0", "garbage_collection_threshold"),
+            ("per_process_memory_fraction:1.5", "per_process_memory_fraction"),
+            ("release_threshold:-0.1", "release_threshold"),
+            ("release_threshold:nan", "release_threshold"),
+            ("expandable_segments:yes", "expandable_segments"),
+            ("release_lock_on_cudamalloc:1", "release_lock_on_cudamalloc"),
+            ("roundup_power2_divisions:3", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:[100:2]", "powers of two"),
+            ("roundup_power2_divisions:[256:3]", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:[256:2", "unclosed"),
+            ("roundup_power2_divisions:256:2]", "unbalanced"),
+            ("large_segment_size_mb:4", "large_segment_size_mb"),
+            ("page_size_mb:0", "page_size_mb"),
+            ("initial_pool_size_mb:-1", "initial_pool_size_mb"),
+            ("cross_stream_reuse:often", "cross_stream_reuse"),
+            ("pinned_num_register_threads:x", "pinned_num_register_threads"),
+            ("strategy:bfc,expandable_segments:True", "contradicts strategy 'bfc'"),
+            ("strategy:expandable,expandable_segments:False", "expandable_segments:False"),
+            ("strategy:pytorch,backend:cudaMallocAsync", "backend:cudaMallocAsync"),
+            ("backend:cudaMallocAsync,expandable_segments:True", "contradicts"),
+        ] {
+            let message = err(text);
+            assert!(message.contains(needle), "{text}: {message}");
+        }
+    }
+
+    #[test]
+    fn entries_list_every_effective_setting() {
+        let c = Config::parse("strategy:bfc,release_threshold:0.25,roundup_power2_divisions:[>:4]").unwrap();
+        let entries = c.entries();
+        let get = |key: &str| entries.iter().find(|(k, _)| *k == key).unwrap().1.to_string();
+        assert_eq!(get("strategy"), "bfc");
+        assert_eq!(get("max_split_size_mb"), "None");
+        assert_eq!(get("release_threshold"), "0.25");
+        assert_eq!(get("expandable_segments"), "False");
+        assert!(get("roundup_power2_divisions").starts_with("[1:0,2:4,4:4"));
+        assert_eq!(entries.len(), 14);
+    }
+}

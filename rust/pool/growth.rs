@@ -1,0 +1,94 @@
+//! Growth: how big a new segment is (the rules' [`SegmentGrowth`] plus the state it needs), the
+//! pool's memory limit (`per_process_memory_fraction`) and pre-allocation
+//! (`initial_pool_size_mb`).
+
+use super::{Config, Pool};
+use crate::core::{Metric, PoolKind, SegmentGrowth, StatType};
+use crate::device::{Device, DeviceError};
+
+/// What growth remembers between segments.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Growth {
+    /// The next region's size ([`SegmentGrowth::Doubling`]).
+    region: u64,
+    /// The most bytes the pool may reserve (fraction x capacity); `None` when unlimited.
+    pub limit: Option<u64>,
+}
+
+impl Growth {
+    pub fn new(config: &Config, capacity: Option<u64>) -> Self {
+        let limit = config.per_process_memory_fraction.zip(capacity).map(|(f, total)| (total as f64 * f) as u64);
+        Growth { region: config.rules.growth_unit, limit }
+    }
+}
+
+impl<D: Device> Pool<D> {
+    pub(super) fn reserved(&self) -> u64 {
+        self.heap.stats().get(Metric::ReservedBytes, StatType::All).current
+    }
+
+    /// Bytes the device and the limit can still give; `u64::MAX` when unknown.
+    fn available(&self) -> u64 {
+        let device = self.device.memory_info().free().unwrap_or(u64::MAX);
+        let limit = self.growth.limit.map_or(u64::MAX, |limit| limit.saturating_sub(self.reserved()));
+        device.min(limit)
+    }
+
+    /// Asks the device for `size` bytes; past the limit the pool refuses itself, as PyTorch
+    /// does with a memory fraction, so the out-of-memory ladder runs as for a device refusal.
+    fn device_allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
+        if self.growth.limit.is_some_and(|limit| self.reserved().saturating_add(size) > limit) {
+            return Err(DeviceError::OutOfMemory { requested: size });
+        }
+        let address = self.device.allocate(size)?;
+        self.heap.stats_mut().num_device_alloc += 1;
+        Ok(address)
+    }
+
+    /// A new segment that holds `rounded` bytes: its address and size. Strategies that size
+    /// segments by what is left back off to the bare request when the device refuses more
+    /// (TF BFC's back-off, in one step).
+    pub(super) fn allocate_segment(&mut self, rounded: u64) -> Result<(u64, u64), DeviceError> {
+        let rules = self.heap.rules();
+        let (backs_off, doubling) = (rules.may_back_off(), rules.growth == SegmentGrowth::Doubling);
+        let available = if backs_off { self.available() } else { u64::MAX };
+        let size = self.heap.rules().segment_size(rounded, self.growth.region, available);
+        let (address, size) = match self.device_allocate(size) {
+            Ok(address) => (address, size),
+            Err(DeviceError::OutOfMemory { .. }) if backs_off && size > rounded => {
+                (self.device_allocate(rounded)?, rounded)
+            }
+            Err(e) => return Err(e),
+        };
+        if doubling {
+            self.growth.region = self.heap.rules().next_region(self.growth.region, rounded);
+        }
+        Ok((address, size))
+    }
+
+    /// Obtains `initial_pool_size` bytes (capped by what the device and the limit can give) as
+    /// one segment any stream may use. A refusal is retried once, then the pool grows on demand
+    /// instead.
+    pub(super) fn preallocate(&mut self) {
+        if self.expandable.is_some() {
+            return;
+        }
+        let granule = self.heap.rules().granule;
+        let size = self.config.initial_pool_size.min(self.available()) & !(granule - 1);
+        if size == 0 {
+            return;
+        }
+        let address = match self.device_allocate(size) {
+            Ok(address) => address,
+            Err(DeviceError::OutOfMemory { .. }) => {
+                self.heap.stats_mut().num_alloc_retries += 1;
+                match self.device_allocate(size) {
+                    Ok(address) => address,
+                    Err(_) => return,
+                }
+            }
+            Err(_) => return,
+        };
+        self.heap.add_shared_segment(address, size, PoolKind::Large);
+    }
+}

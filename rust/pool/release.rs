@@ -1,0 +1,106 @@
+//! Giving memory back between `empty_cache` calls: the release watermark after frees, PyTorch's
+//! garbage collection before growing, and the out-of-memory ladder's release of oversize
+//! cached blocks. Only idle segments (one free block) go back; nothing is synchronized: a free
+//! block has no pending work (pending frees are not free yet), and a device's release orders
+//! itself after queued work where that matters (`cuMemFree` synchronizes).
+
+use super::{HistoryAction, Pool, PoolError, DEFAULT_STREAM};
+use crate::core::{IdleSegment, Metric, PoolKind, SegmentId, StatType};
+use crate::device::Device;
+
+impl<D: Device> Pool<D> {
+    /// The release watermark, after a free that left memory in `segment`: while free-but-reserved
+    /// bytes exceed `release_threshold` of reserved bytes, idle segments go back to the device,
+    /// oldest first. O(1) unless there is something to release.
+    pub(super) fn after_free(&mut self, segment: SegmentId) -> Result<(), PoolError> {
+        let Some(threshold) = self.config.release_threshold else { return Ok(()) };
+        let idle = self.heap.idle_bytes();
+        if idle == 0 || !self.over_watermark(threshold) {
+            return Ok(());
+        }
+        // Usually the segment just freed is the only idle one: no need to look for the oldest.
+        if self.heap.is_idle(segment) && self.heap.idle_segment(segment).size == idle {
+            return self.give_back(segment).map(drop);
+        }
+        for candidate in self.heap.idle_segments() {
+            if !self.over_watermark(threshold) {
+                break;
+            }
+            self.give_back(candidate.id)?;
+        }
+        Ok(())
+    }
+
+    fn over_watermark(&self, threshold: f64) -> bool {
+        let reserved = self.reserved();
+        let free = reserved - self.heap.stats().get(Metric::ActiveBytes, StatType::All).current;
+        free as f64 > threshold * reserved as f64
+    }
+
+    /// PyTorch's garbage collection, before asking the device for more: when reserved bytes
+    /// exceed `garbage_collection_threshold` of the allowed bytes, idle large segments at least
+    /// as old as the average go back, pass after pass, until the excess is reclaimed. Inert
+    /// without a memory limit, as in PyTorch.
+    pub(super) fn collect_garbage(&mut self) -> Result<(), PoolError> {
+        let (Some(threshold), Some(limit)) = (self.config.garbage_collection_threshold, self.growth.limit) else {
+            return Ok(());
+        };
+        let allowed = (threshold * limit as f64) as u64;
+        let reserved = self.reserved();
+        if reserved <= allowed {
+            return Ok(());
+        }
+        let target = reserved - allowed;
+        let mut candidates: Vec<IdleSegment> =
+            self.heap.idle_segments().into_iter().filter(|s| s.kind == PoolKind::Large).collect();
+        let mut total_age: u64 = candidates.iter().map(|s| u64::from(s.age)).sum();
+        let mut reclaimed = 0;
+        // Each pass frees at least the oldest candidate, whose age is at least the average.
+        while reclaimed < target && !candidates.is_empty() {
+            let average = total_age / candidates.len() as u64;
+            let (old, young): (Vec<_>, Vec<_>) = candidates.into_iter().partition(|s| u64::from(s.age) >= average);
+            for s in old {
+                reclaimed += self.give_back(s.id)?;
+                total_age -= u64::from(s.age);
+            }
+            candidates = young;
+        }
+        Ok(())
+    }
+
+    /// PyTorch's first out-of-memory remedy when `max_split_size` is set: give back the smallest
+    /// idle oversize segment that holds the request, else oversize ones from the largest down
+    /// until as many bytes as the request are freed. Returns whether that much was freed.
+    pub(super) fn release_oversize(&mut self, size: u64) -> Result<bool, PoolError> {
+        let rules = self.heap.rules();
+        let max_split = rules.max_split_size;
+        if max_split == u64::MAX {
+            return Ok(false);
+        }
+        let wanted = rules.round(size).max(max_split);
+        let mut oversize: Vec<IdleSegment> =
+            self.heap.idle_segments().into_iter().filter(|s| s.size >= max_split).collect();
+        oversize.sort_by_key(|s| s.size);
+        if let Some(fit) = oversize.iter().find(|s| s.size >= wanted) {
+            self.give_back(fit.id)?;
+            return Ok(true);
+        }
+        let mut released = 0;
+        for s in oversize.iter().rev() {
+            if released >= wanted {
+                break;
+            }
+            released += self.give_back(s.id)?;
+        }
+        Ok(released >= wanted)
+    }
+
+    /// Returns idle segment `sid` to the device; returns its size.
+    fn give_back(&mut self, sid: SegmentId) -> Result<u64, PoolError> {
+        let (address, size) = self.heap.release_idle_segment(sid);
+        self.device.release(address)?;
+        self.heap.stats_mut().num_device_free += 1;
+        self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
+        Ok(size)
+    }
+}

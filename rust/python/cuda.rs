@@ -1,0 +1,89 @@
+//! Module functions about CUDA (`cuda_available`, `device_count`) and the private controls of
+//! the C ABI's process-wide pools (`gpupool.torch` and the tests use them).
+
+use super::error::value_error;
+use crate::capi::{self, Backend};
+use crate::pool::Config;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// Whether `cuda:0` can be opened: a CUDA driver recent enough that sees a GPU. Never raises.
+#[pyfunction]
+fn cuda_available(py: Python<'_>) -> bool {
+    py.detach(cuda_usable)
+}
+
+/// GPUs the CUDA driver sees; 0 without a usable driver. Never raises.
+#[pyfunction]
+fn device_count(py: Python<'_>) -> usize {
+    #[cfg(feature = "cuda")]
+    return py.detach(crate::device::cuda::device_count);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = py;
+        0
+    }
+}
+
+fn cuda_usable() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::device::cuda::available();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// The device `Pool()` uses when none is named.
+pub fn default_device() -> &'static str {
+    if cuda_usable() {
+        "cuda:0"
+    } else {
+        "host"
+    }
+}
+
+/// Sets the backend (`"cuda"` or `"host"`) and config of the pools behind `gpupool_alloc`.
+#[pyfunction]
+fn _capi_configure(backend: &str, config: &str) -> PyResult<()> {
+    let backend = match backend {
+        "host" => Backend::Host,
+        #[cfg(feature = "cuda")]
+        "cuda" => Backend::Cuda,
+        other => return Err(value_error(format!("unknown C ABI backend '{other}'"))),
+    };
+    let config = Config::parse(config).map_err(value_error)?;
+    capi::configure(backend, config).map_err(PyRuntimeError::new_err)
+}
+
+/// The statistics of device `device`'s global pool, or None before its first allocation.
+#[pyfunction]
+fn _capi_memory_stats(py: Python<'_>, device: i32) -> PyResult<Option<Bound<'_, PyDict>>> {
+    let Some(entries) = capi::memory_stats(device) else { return Ok(None) };
+    let dict = PyDict::new(py);
+    for (key, value) in entries {
+        dict.set_item(key, value)?;
+    }
+    Ok(Some(dict))
+}
+
+/// Returns every global pool's fully free cached segments to the device; returns the bytes.
+#[pyfunction]
+fn _capi_empty_cache(py: Python<'_>) -> PyResult<u64> {
+    py.detach(capi::empty_cache).map_err(PyRuntimeError::new_err)
+}
+
+/// Why the last `gpupool_alloc` / `gpupool_free` failed (cleared by reading).
+#[pyfunction]
+fn _capi_last_error() -> Option<String> {
+    capi::take_last_error()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_capi_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(_capi_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(_capi_empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(_capi_last_error, m)?)?;
+    Ok(())
+}

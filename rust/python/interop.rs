@@ -1,0 +1,119 @@
+//! Zero-copy hand-off of an allocation to other libraries: `__cuda_array_interface__` (CuPy,
+//! Numba, PyTorch) and DLPack (`numpy.from_dlpack`, `torch.from_dlpack`).
+
+use super::dlpack::{self, DataType};
+use super::error::{pool_error, value_error};
+use super::pool::Shared;
+use crate::core::Handle;
+use crate::device::{Device, StreamId, DEFAULT_STREAM};
+use pyo3::exceptions::{PyAttributeError, PyBufferError};
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict};
+
+/// One live allocation, as the exports see it.
+pub struct Memory<'a> {
+    pub shared: &'a Shared,
+    pub address: u64,
+    pub size: u64,
+    pub handle: Option<Handle>,
+}
+
+/// `(kDLCUDA, N)` for `cuda:N`, `(kDLCPU, 0)` for host memory.
+pub fn dlpack_device(shared: &Shared) -> PyResult<(i32, i32)> {
+    if let Some(ordinal) = cuda_ordinal(shared) {
+        return Ok((dlpack::DEVICE_CUDA, ordinal));
+    }
+    if shared.host_accessible {
+        return Ok((dlpack::DEVICE_CPU, 0));
+    }
+    Err(PyBufferError::new_err(format!("memory on device '{}' has no data to export", shared.device)))
+}
+
+fn cuda_ordinal(shared: &Shared) -> Option<i32> {
+    shared.device.strip_prefix("cuda:")?.parse().ok()
+}
+
+impl Memory<'_> {
+    fn stream(&self, pool: &super::pool::DevicePool) -> PyResult<StreamId> {
+        self.handle.map_or(Ok(DEFAULT_STREAM), |h| pool.stream_of(h).map_err(pool_error))
+    }
+
+    /// Version 3 of the CUDA Array Interface: `typestr`/`shape` describe the bytes, `stream` is
+    /// the allocation's stream (1 for the legacy default stream, as the protocol spells it).
+    pub fn cuda_array_interface<'py>(
+        &self,
+        py: Python<'py>,
+        typestr: &str,
+        shape: &[i64],
+    ) -> PyResult<Bound<'py, PyDict>> {
+        if cuda_ordinal(self.shared).is_none() {
+            return Err(PyAttributeError::new_err(format!(
+                "memory on device '{}' is not CUDA memory",
+                self.shared.device
+            )));
+        }
+        let stream = {
+            let pool = self.shared.lock()?;
+            let id = self.stream(&pool)?;
+            pool.device().stream_handle(id).map(|raw| if raw == 0 { 1 } else { raw })
+        };
+        let d = PyDict::new(py);
+        d.set_item("shape", shape.to_vec())?;
+        d.set_item("typestr", typestr)?;
+        d.set_item("data", (self.address, false))?;
+        d.set_item("version", 3)?;
+        d.set_item("strides", py.None())?;
+        d.set_item("stream", stream)?;
+        Ok(d)
+    }
+
+    /// A DLPack capsule of `shape` elements of `dtype`, owned by `owner`. On CUDA, the consumer's
+    /// `stream` (DLPack's numbering: None or 1 legacy default, 2 per-thread, -1 no ordering) is
+    /// made to wait for the allocation's stream without blocking the host. `max_version` is the
+    /// newest DLPack ABI the consumer reads (None: the unversioned one).
+    pub fn dlpack<'py>(
+        &self,
+        py: Python<'py>,
+        owner: Py<PyAny>,
+        dtype: DataType,
+        shape: Vec<i64>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let device = dlpack_device(self.shared)?;
+        let elements = shape.iter().try_fold(1i64, |n, &d| if d < 0 { None } else { n.checked_mul(d) });
+        let bytes = elements.and_then(|n| n.checked_mul(i64::from(dtype.bits) * i64::from(dtype.lanes)));
+        if bytes.is_none_or(|bits| (bits + 7) / 8 > self.size as i64) {
+            return Err(value_error(format!("shape {shape:?} does not fit in an allocation of {} bytes", self.size)));
+        }
+        if device.0 == dlpack::DEVICE_CUDA && stream != Some(-1) {
+            let consumer = match stream {
+                None | Some(1) => 0,
+                Some(raw) if raw > 0 => raw as u64,
+                Some(raw) => return Err(value_error(format!("invalid DLPack stream {raw}"))),
+            };
+            py.detach(|| self.order_before(consumer))?;
+        }
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        dlpack::export(py, owner, self.address, device, dtype, shape, versioned)
+    }
+
+    /// Makes the stream with raw handle `consumer` wait for the work queued on the allocation's.
+    fn order_before(&self, consumer: u64) -> PyResult<()> {
+        let mut pool = self.shared.lock()?;
+        let producer = self.stream(&pool)?;
+        let device = pool.device_mut();
+        if device.stream_handle(producer) == Some(consumer) {
+            return Ok(());
+        }
+        let waiter = device.import_stream(consumer).map_err(|e| pool_error(e.into()))?;
+        let ordered = device.record_event(producer).and_then(|event| {
+            let waited = device.stream_wait_event(waiter, event);
+            device.destroy_event(event).and(waited)
+        });
+        if waiter != DEFAULT_STREAM {
+            device.destroy_stream(waiter).map_err(|e| pool_error(e.into()))?;
+        }
+        ordered.map_err(|e| pool_error(e.into()))
+    }
+}

@@ -1,0 +1,159 @@
+//! `gpupool._native.replay` and its `ReplayResult`: a trace replayed on a fresh pool.
+
+use super::device::{capacity_arg, open_device};
+use super::error::{pool_error, value_error};
+use super::trace::PyTrace;
+use crate::pool::{Config, Pool};
+use crate::trace::replay::{min_capacity as search_min_capacity, replay as run, Metrics, Timeline};
+use pyo3::prelude::*;
+
+/// Enough points for a plot as wide as a screen.
+const TIMELINE_POINTS: usize = 2000;
+/// The min-capacity search stops when its bounds are this close (a fraction of the answer).
+const MIN_CAPACITY_TOLERANCE: f64 = 0.005;
+
+#[pyclass(name = "ReplayResult", module = "gpupool._native", frozen)]
+pub struct PyReplayResult {
+    trace: String,
+    config: String,
+    device: String,
+    capacity: Option<u64>,
+    metrics: Metrics,
+    min_capacity: Option<u64>,
+    timeline: Timeline,
+}
+
+#[pymethods]
+impl PyReplayResult {
+    #[getter]
+    fn trace(&self) -> &str {
+        &self.trace
+    }
+
+    /// The configuration string the pool used (empty for the default).
+    #[getter]
+    fn config(&self) -> &str {
+        &self.config
+    }
+
+    #[getter]
+    fn device(&self) -> &str {
+        &self.device
+    }
+
+    #[getter]
+    fn capacity(&self) -> Option<u64> {
+        self.capacity
+    }
+
+    #[getter]
+    fn events(&self) -> usize {
+        self.metrics.events
+    }
+
+    #[getter]
+    fn peak_live_bytes(&self) -> u64 {
+        self.metrics.peak_live_bytes
+    }
+
+    #[getter]
+    fn peak_reserved_bytes(&self) -> u64 {
+        self.metrics.peak_reserved_bytes
+    }
+
+    #[getter]
+    fn utilization(&self) -> f64 {
+        self.metrics.utilization()
+    }
+
+    #[getter]
+    fn device_allocs(&self) -> u64 {
+        self.metrics.device_allocs
+    }
+
+    #[getter]
+    fn ooms(&self) -> u64 {
+        self.metrics.ooms
+    }
+
+    #[getter]
+    fn seconds(&self) -> f64 {
+        self.metrics.seconds
+    }
+
+    #[getter]
+    fn events_per_second(&self) -> f64 {
+        self.metrics.events_per_second()
+    }
+
+    #[getter]
+    fn min_capacity_bytes(&self) -> Option<u64> {
+        self.min_capacity
+    }
+
+    /// The trace's peak live bytes over the smallest capacity that fits it.
+    #[getter]
+    fn min_capacity_utilization(&self) -> Option<f64> {
+        self.min_capacity.map(|c| self.metrics.peak_live_bytes as f64 / c.max(1) as f64)
+    }
+
+    /// `(event_index, reserved_bytes, live_bytes)`: each point is the highest value over the
+    /// events from its index to the next point's.
+    #[getter]
+    fn timeline(&self) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+        let t = &self.timeline;
+        (t.event_index.clone(), t.reserved_bytes.clone(), t.live_bytes.clone())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReplayResult(trace={:?}, config={:?}, peak_live_bytes={}, peak_reserved_bytes={}, utilization={:.3}, ooms={})",
+            self.trace,
+            self.config,
+            self.metrics.peak_live_bytes,
+            self.metrics.peak_reserved_bytes,
+            self.metrics.utilization(),
+            self.metrics.ooms
+        )
+    }
+}
+
+/// Replays `trace` on a fresh pool over `device` (`sim` without a capacity is unlimited); with
+/// `min_capacity`, also bisects for the smallest `sim` capacity without an OOM.
+#[pyfunction]
+#[pyo3(signature = (trace, config = None, capacity = None, min_capacity = false, device = "sim"))]
+pub fn replay(
+    py: Python<'_>,
+    trace: &PyTrace,
+    config: Option<&str>,
+    capacity: Option<&Bound<'_, PyAny>>,
+    min_capacity: bool,
+    device: &str,
+) -> PyResult<PyReplayResult> {
+    let config_text = config.unwrap_or("").to_string();
+    let parsed = Config::parse(&config_text).map_err(value_error)?;
+    let capacity = capacity_arg(capacity)?;
+    let backend = match (device, capacity) {
+        ("sim", None) => open_device("sim", Some(u64::MAX))?,
+        _ => open_device(device, capacity)?,
+    };
+    let events = trace.trace.clone();
+    let (metrics, min_capacity, timeline) = py
+        .detach(move || {
+            let mut timeline = Timeline::new(events.events().len(), TIMELINE_POINTS);
+            let metrics = run(&events, &mut Pool::new(backend, parsed.clone()), Some(&mut timeline))?;
+            let min =
+                min_capacity.then(|| search_min_capacity(&events, &parsed, MIN_CAPACITY_TOLERANCE)).transpose()?;
+            Ok((metrics, min, timeline))
+        })
+        .map_err(pool_error)?;
+    Ok(PyReplayResult {
+        trace: trace.name().to_string(),
+        config: config_text,
+        device: device.to_string(),
+        capacity,
+        metrics,
+        min_capacity,
+        timeline,
+    })
+}

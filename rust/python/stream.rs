@@ -1,0 +1,105 @@
+//! `gpupool.Stream`: a stream of one pool's device (simulated on `host` and `sim`).
+
+use super::error::{pool_error, value_error};
+use super::pool::Shared;
+use crate::device::{StreamId, DEFAULT_STREAM};
+use pyo3::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[pyclass(name = "Stream", module = "gpupool._native", frozen)]
+pub struct PyStream {
+    shared: Arc<Shared>,
+    id: StreamId,
+    destroyed: AtomicBool,
+}
+
+impl PyStream {
+    pub fn new(shared: Arc<Shared>, id: StreamId) -> Self {
+        PyStream { shared, id, destroyed: AtomicBool::new(false) }
+    }
+
+    /// The stream's id, after checking it belongs to `shared`'s pool and still exists.
+    pub fn id_for(&self, shared: &Arc<Shared>) -> PyResult<StreamId> {
+        if !Arc::ptr_eq(&self.shared, shared) {
+            return Err(value_error("this Stream belongs to another pool"));
+        }
+        self.live_id()
+    }
+
+    fn live_id(&self) -> PyResult<StreamId> {
+        if self.destroyed.load(Ordering::Acquire) {
+            return Err(value_error(format!("stream {} was destroyed", self.id)));
+        }
+        Ok(self.id)
+    }
+}
+
+impl Drop for PyStream {
+    fn drop(&mut self) {
+        if self.id != DEFAULT_STREAM && !self.destroyed.swap(true, Ordering::AcqRel) {
+            if let Ok(mut pool) = self.shared.lock() {
+                // Nothing can be reported from a destructor; a failure leaves the stream alive.
+                let _ = pool.destroy_stream(self.id);
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PyStream {
+    #[getter]
+    fn id(&self) -> StreamId {
+        self.id
+    }
+
+    /// The driver's handle (`cudaStream_t` as an int; 0 is the legacy default stream), for
+    /// `torch.cuda.ExternalStream` or `cupy.cuda.ExternalStream`; None on simulated devices.
+    #[getter]
+    fn handle(&self) -> PyResult<Option<u64>> {
+        let id = self.live_id()?;
+        Ok(self.shared.lock()?.device().stream_handle(id))
+    }
+
+    /// Simulated devices: the stream stays busy (its events pending) until `synchronize()`.
+    fn hold(&self) -> PyResult<()> {
+        let id = self.live_id()?;
+        self.shared.lock()?.hold_stream(id).map_err(pool_error)
+    }
+
+    /// Whether all work recorded on the stream has completed.
+    fn query(&self, py: Python<'_>) -> PyResult<bool> {
+        let id = self.live_id()?;
+        py.detach(|| self.shared.lock()?.query_stream(id).map_err(pool_error))
+    }
+
+    /// Waits for the stream's work; blocks it freed or used become reusable.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let id = self.live_id()?;
+        py.detach(|| self.shared.lock()?.synchronize_stream(id).map_err(pool_error))
+    }
+
+    /// Synchronizes and destroys the stream; its cached blocks go to every stream.
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        if self.id == DEFAULT_STREAM {
+            return Err(value_error("the default stream cannot be destroyed"));
+        }
+        let id = self.live_id()?;
+        py.detach(|| self.shared.lock()?.destroy_stream(id).map_err(pool_error))?;
+        self.destroyed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.destroyed.load(Ordering::Acquire) { ", destroyed" } else { "" };
+        format!("Stream({}, device='{}'{state})", self.id, self.shared.device)
+    }
+
+    fn __eq__(&self, other: &PyStream) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared) && self.id == other.id
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.id as u64
+    }
+}

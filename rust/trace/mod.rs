@@ -1,0 +1,304 @@
+//! Allocation traces: the allocations and frees a workload made, paired up once at load time so
+//! that replay finds a free's allocation by index, never by address.
+//!
+//! Sources: RMM's logging CSV ([`csv`]), PyTorch snapshot entries ([`TraceBuilder::snapshot_entry`],
+//! fed by the Python pickle reader) and a pool's own [`History`]. [`replay`] runs a trace on a pool.
+
+pub mod csv;
+pub mod replay;
+
+use crate::pool::{History, HistoryAction};
+use rustc_hash::FxHashMap;
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    Alloc,
+    Free,
+    /// An allocation that failed when the trace was recorded; replay skips it.
+    Failure,
+}
+
+impl Action {
+    /// PyTorch's names (`oom` for a failure).
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::Free => "free",
+            Action::Failure => "oom",
+        }
+    }
+}
+
+/// No allocation: the slot of a [`Action::Failure`].
+pub const NO_SLOT: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub action: Action,
+    /// Index into [`Trace::streams`].
+    pub stream: u32,
+    /// Numbers allocations densely from 0: an `Alloc` and the `Free` that ends it share a slot.
+    pub slot: u32,
+    /// The address the traced program saw (for reports and for writing the trace back).
+    pub address: u64,
+    /// Bytes requested; a `Free` carries its allocation's size.
+    pub size: u64,
+    /// Nanoseconds since the trace began.
+    pub time_ns: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceError {
+    /// A free of an address that is not live: never allocated, or already freed.
+    UnknownFree(u64),
+    /// An allocation at an address that is still live.
+    LiveAddress(u64),
+    UnknownAction(String),
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TraceError::UnknownFree(a) => write!(f, "free of {a:#x}, which is not a live allocation of this trace"),
+            TraceError::LiveAddress(a) => write!(f, "allocation at {a:#x}, which is still allocated (no free before)"),
+            TraceError::UnknownAction(action) => write!(f, "unknown action '{action}'"),
+        }
+    }
+}
+
+impl std::error::Error for TraceError {}
+
+/// A loaded trace: events in order, with every free paired to its allocation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trace {
+    events: Vec<Event>,
+    /// The traced program's stream handles, in order of first use.
+    streams: Vec<u64>,
+    slots: u32,
+    peak_live_bytes: u64,
+}
+
+impl Trace {
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    pub fn streams(&self) -> &[u64] {
+        &self.streams
+    }
+
+    /// How many allocations the trace makes (the slots replay needs).
+    pub fn allocations(&self) -> usize {
+        self.slots as usize
+    }
+
+    /// The most bytes live at once, as requested: what any allocator must hold at least.
+    pub fn peak_live_bytes(&self) -> u64 {
+        self.peak_live_bytes
+    }
+
+    /// A pool's recorded history as a trace of its users' requests: allocations, the frees
+    /// users asked for and failed allocations. Frees of blocks allocated before the oldest
+    /// kept entry (the ring buffer dropped them) are left out.
+    pub fn from_history(history: &History) -> Trace {
+        let mut builder = TraceBuilder::default();
+        let start = history.entries().next().map_or(0, |e| e.time_us);
+        for e in history.entries() {
+            let time_ns = (e.time_us - start) * 1000;
+            let stream = u64::from(e.stream);
+            match e.action {
+                HistoryAction::Alloc => {
+                    let fresh = builder.alloc(e.address, e.size, stream, time_ns);
+                    debug_assert!(fresh.is_ok(), "the pool handed out a live address: {fresh:?}");
+                }
+                // An unknown free's allocation is older than the oldest kept entry.
+                HistoryAction::FreeRequested => _ = builder.free(e.address, stream, time_ns),
+                HistoryAction::Oom => builder.failure(e.size, stream, time_ns),
+                HistoryAction::FreeCompleted | HistoryAction::SegmentAlloc | HistoryAction::SegmentFree => {}
+            }
+        }
+        builder.finish()
+    }
+}
+
+/// Builds a [`Trace`] event by event, pairing each free with the live allocation at its address.
+#[derive(Debug, Default)]
+pub struct TraceBuilder {
+    trace: Trace,
+    /// Live allocations: address -> (slot, size).
+    live: FxHashMap<u64, (u32, u64)>,
+    stream_index: FxHashMap<u64, u32>,
+    live_bytes: u64,
+}
+
+impl TraceBuilder {
+    fn stream(&mut self, stream: u64) -> u32 {
+        let streams = &mut self.trace.streams;
+        *self.stream_index.entry(stream).or_insert_with(|| {
+            streams.push(stream);
+            (streams.len() - 1) as u32
+        })
+    }
+
+    /// Records an allocation. A null address (a zero-byte allocation) is left out, as C's
+    /// `free(NULL)` is.
+    pub fn alloc(&mut self, address: u64, size: u64, stream: u64, time_ns: u64) -> Result<(), TraceError> {
+        if address == 0 {
+            return Ok(());
+        }
+        let slot = self.trace.slots;
+        if self.live.insert(address, (slot, size)).is_some() {
+            return Err(TraceError::LiveAddress(address));
+        }
+        self.trace.slots += 1;
+        self.live_bytes += size;
+        self.trace.peak_live_bytes = self.trace.peak_live_bytes.max(self.live_bytes);
+        let stream = self.stream(stream);
+        self.trace.events.push(Event { action: Action::Alloc, stream, slot, address, size, time_ns });
+        Ok(())
+    }
+
+    /// Records the free of the live allocation at `address`; a null address is a no-op.
+    pub fn free(&mut self, address: u64, stream: u64, time_ns: u64) -> Result<(), TraceError> {
+        if address == 0 {
+            return Ok(());
+        }
+        let (slot, size) = self.live.remove(&address).ok_or(TraceError::UnknownFree(address))?;
+        self.live_bytes -= size;
+        let stream = self.stream(stream);
+        self.trace.events.push(Event { action: Action::Free, stream, slot, address, size, time_ns });
+        Ok(())
+    }
+
+    pub fn failure(&mut self, size: u64, stream: u64, time_ns: u64) {
+        let stream = self.stream(stream);
+        self.trace.events.push(Event { action: Action::Failure, stream, slot: NO_SLOT, address: 0, size, time_ns });
+    }
+
+    /// One entry of a PyTorch snapshot's `device_traces`: `alloc` and `free_completed` are
+    /// the events replay needs, `oom` a failure; the others describe the allocator's own
+    /// work (segments, pending frees, markers) and are skipped.
+    pub fn snapshot_entry(
+        &mut self,
+        action: &str,
+        address: u64,
+        size: u64,
+        stream: u64,
+        time_ns: u64,
+    ) -> Result<(), TraceError> {
+        match action {
+            "alloc" => self.alloc(address, size, stream, time_ns),
+            "free_completed" => self.free(address, stream, time_ns),
+            "oom" => {
+                self.failure(size, stream, time_ns);
+                Ok(())
+            }
+            "free_requested" | "segment_alloc" | "segment_free" | "segment_map" | "segment_unmap" | "snapshot" => {
+                Ok(())
+            }
+            other => Err(TraceError::UnknownAction(other.to_string())),
+        }
+    }
+
+    pub fn finish(self) -> Trace {
+        self.trace
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replay::{replay, replay_sim};
+    use super::*;
+    use crate::core::{Metric, StatType};
+    use crate::device::Sim;
+    use crate::pool::{Config, Pool};
+
+    #[test]
+    fn builder_pairs_frees_and_rejects_inconsistent_events() {
+        let mut b = TraceBuilder::default();
+        b.alloc(0x100, 10, 7, 0).unwrap();
+        b.alloc(0x200, 20, 0, 1).unwrap();
+        assert_eq!(b.alloc(0x100, 5, 7, 2), Err(TraceError::LiveAddress(0x100)));
+        let mut b = TraceBuilder::default();
+        b.alloc(0x100, 10, 7, 0).unwrap();
+        b.free(0, 7, 1).unwrap();
+        assert_eq!(b.free(0x300, 7, 1), Err(TraceError::UnknownFree(0x300)));
+        b.free(0x100, 7, 2).unwrap();
+        assert_eq!(b.free(0x100, 7, 3), Err(TraceError::UnknownFree(0x100)));
+        b.alloc(0x100, 30, 9, 4).unwrap();
+        let trace = b.finish();
+        assert_eq!(trace.streams(), [7, 9]);
+        let slots: Vec<u32> = trace.events().iter().map(|e| e.slot).collect();
+        assert_eq!(slots, [0, 0, 1]);
+        assert_eq!(trace.events()[1].size, 10);
+        assert_eq!(trace.peak_live_bytes(), 30);
+    }
+
+    #[test]
+    fn snapshot_entries_keep_allocs_and_completed_frees() {
+        let mut b = TraceBuilder::default();
+        for (action, address) in
+            [("segment_alloc", 0x100), ("alloc", 0x100), ("free_requested", 0x100), ("free_completed", 0x100)]
+        {
+            b.snapshot_entry(action, address, 512, 0, 0).unwrap();
+        }
+        b.snapshot_entry("oom", 1 << 20, 1 << 30, 0, 0).unwrap();
+        b.snapshot_entry("snapshot", 0, 0, 0, 0).unwrap();
+        assert_eq!(b.snapshot_entry("realloc", 0, 0, 0, 0), Err(TraceError::UnknownAction("realloc".into())));
+        let actions: Vec<Action> = b.finish().events().iter().map(|e| e.action).collect();
+        assert_eq!(actions, [Action::Alloc, Action::Free, Action::Failure]);
+    }
+
+    /// Record a workload with history on, rebuild the trace from it, replay: same peaks.
+    #[test]
+    fn recorded_history_replays_to_the_same_peaks() {
+        let mut pool = Pool::new(Sim::new(256 << 20), Config::default());
+        pool.record_history(Some(1000));
+        let mut live = Vec::new();
+        for i in 0..200u64 {
+            let size = 1000 + (i * 7919) % (3 << 20);
+            match pool.alloc(size) {
+                Ok(a) => live.push(a.handle),
+                Err(e) => panic!("{e}"),
+            }
+            if i % 3 == 2 {
+                pool.free(live.swap_remove((i as usize * 31) % live.len())).unwrap();
+            }
+        }
+        assert!(pool.alloc(1 << 30).is_err());
+        for handle in live.drain(..) {
+            pool.free(handle).unwrap();
+        }
+        pool.empty_cache().unwrap();
+        let history = pool.history().unwrap();
+        let names: std::collections::BTreeSet<&str> = history.entries().map(|e| e.action.name()).collect();
+        assert_eq!(names.len(), 6, "{names:?}");
+        let trace = Trace::from_history(history);
+        assert_eq!(trace.events().iter().filter(|e| e.action == Action::Failure).count(), 1);
+        let replayed = replay_sim(&trace, &Config::default(), 256 << 20).unwrap();
+        let peak = |m| pool.stats().get(m, StatType::All).peak;
+        assert_eq!(replayed.peak_live_bytes, peak(Metric::RequestedBytes));
+        assert_eq!(replayed.peak_reserved_bytes, peak(Metric::ReservedBytes));
+        // A recorded failure is not attempted again: the program went on without that memory.
+        assert_eq!(replayed.ooms, 0);
+    }
+
+    #[test]
+    fn a_wrapped_history_leaves_out_frees_of_forgotten_allocations() {
+        let mut pool = Pool::new(Sim::new(1 << 30), Config::default());
+        pool.record_history(Some(5));
+        let first = pool.alloc(4096).unwrap();
+        let second = pool.alloc(4096).unwrap();
+        pool.free(first.handle).unwrap();
+        pool.free(second.handle).unwrap();
+        // Kept: the second alloc, both frees (requested and completed); the first alloc is gone.
+        let trace = Trace::from_history(pool.history().unwrap());
+        let actions: Vec<Action> = trace.events().iter().map(|e| e.action).collect();
+        assert_eq!(actions, [Action::Alloc, Action::Free]);
+        assert_eq!(trace.events()[1].address, second.address);
+        replay(&trace, &mut Pool::new(Sim::new(1 << 30), Config::default()), None).unwrap();
+        pool.record_history(None);
+        assert!(pool.history().is_none());
+    }
+}

@@ -1,0 +1,223 @@
+//! Replay: a trace's allocations and frees run on a pool, with the figures that say how well the
+//! pool packed them and the smallest device they fit on.
+
+use super::{Action, Trace};
+use crate::core::{Handle, Metric, StatType};
+use crate::device::{Device, Sim, StreamId};
+use crate::pool::{Config, Pool, PoolError, DEFAULT_STREAM};
+use std::time::Instant;
+
+/// What one replay measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Metrics {
+    pub events: usize,
+    /// Most bytes the trace's allocations held at once, as requested (failed ones excluded).
+    pub peak_live_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    /// Segments obtained from the device.
+    pub device_allocs: u64,
+    /// Allocations the pool could not serve: skipped, and their frees ignored.
+    pub ooms: u64,
+    pub seconds: f64,
+}
+
+impl Metrics {
+    /// Peak live / peak reserved (1 when nothing was reserved: nothing was wasted).
+    pub fn utilization(&self) -> f64 {
+        if self.peak_reserved_bytes == 0 {
+            1.0
+        } else {
+            self.peak_live_bytes as f64 / self.peak_reserved_bytes as f64
+        }
+    }
+
+    pub fn events_per_second(&self) -> f64 {
+        self.events as f64 / self.seconds.max(1e-9)
+    }
+}
+
+/// Reserved and live bytes over event index, downsampled to at most a fixed number of points:
+/// each point is the highest value over its stretch of events, so peaks survive.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Timeline {
+    /// Index of the first event of each stretch.
+    pub event_index: Vec<u64>,
+    pub reserved_bytes: Vec<u64>,
+    pub live_bytes: Vec<u64>,
+    stride: usize,
+}
+
+impl Timeline {
+    pub fn new(events: usize, max_points: usize) -> Self {
+        Timeline { stride: events.div_ceil(max_points.max(1)).max(1), ..Timeline::default() }
+    }
+
+    fn sample(&mut self, index: usize, reserved: u64, live: u64) {
+        if index % self.stride == 0 {
+            self.event_index.push(index as u64);
+            self.reserved_bytes.push(reserved);
+            self.live_bytes.push(live);
+        } else if let (Some(r), Some(l)) = (self.reserved_bytes.last_mut(), self.live_bytes.last_mut()) {
+            *r = (*r).max(reserved);
+            *l = (*l).max(live);
+        }
+    }
+}
+
+/// Runs `trace` on `pool` (which should be fresh: its peaks are the replay's). Each trace
+/// stream gets a stream of the pool (the traced program's null stream is the default stream),
+/// so blocks pass between streams only as the pool's configuration allows.
+pub fn replay<D: Device>(
+    trace: &Trace,
+    pool: &mut Pool<D>,
+    mut timeline: Option<&mut Timeline>,
+) -> Result<Metrics, PoolError> {
+    let streams = trace
+        .streams()
+        .iter()
+        .map(|&s| if s == 0 { Ok(DEFAULT_STREAM) } else { pool.create_stream() })
+        .collect::<Result<Vec<StreamId>, _>>()?;
+    let mut handles: Vec<Option<Handle>> = vec![None; trace.allocations()];
+    let mut ooms = 0;
+    let start = Instant::now();
+    for (index, e) in trace.events().iter().enumerate() {
+        match e.action {
+            // A zero-byte allocation holds no memory.
+            Action::Alloc if e.size == 0 => {}
+            Action::Alloc => match pool.alloc_on(e.size, streams[e.stream as usize]) {
+                Ok(a) => handles[e.slot as usize] = Some(a.handle),
+                // A request beyond any device's size fails like one beyond this device's.
+                Err(PoolError::OutOfMemory(_) | PoolError::InvalidSize(_)) => ooms += 1,
+                Err(other) => return Err(other),
+            },
+            Action::Free => {
+                if let Some(handle) = handles[e.slot as usize].take() {
+                    pool.free(handle)?;
+                }
+            }
+            Action::Failure => {}
+        }
+        if let Some(t) = timeline.as_deref_mut() {
+            let current = |m| pool.stats().get(m, StatType::All).current;
+            t.sample(index, current(Metric::ReservedBytes), current(Metric::RequestedBytes));
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let stats = pool.stats();
+    Ok(Metrics {
+        events: trace.events().len(),
+        peak_live_bytes: stats.get(Metric::RequestedBytes, StatType::All).peak,
+        peak_reserved_bytes: stats.get(Metric::ReservedBytes, StatType::All).peak,
+        device_allocs: stats.num_device_alloc,
+        ooms,
+        seconds,
+    })
+}
+
+/// Replays `trace` on a fresh pool over a `sim` device of `capacity` bytes.
+pub fn replay_sim(trace: &Trace, config: &Config, capacity: u64) -> Result<Metrics, PoolError> {
+    replay(trace, &mut Pool::new(Sim::new(capacity), config.clone()), None)
+}
+
+/// The smallest `sim` capacity on which `trace` replays without an OOM, to within `tolerance`
+/// (a fraction of the answer). Bisects between the trace's peak live bytes, below which
+/// nothing fits, and the peak reserved bytes of an unlimited replay, which always fits: the same
+/// device requests happen and none exceeds that peak.
+pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<u64, PoolError> {
+    let unlimited = replay_sim(trace, config, u64::MAX)?;
+    let (mut fails, mut fits) =
+        (trace.peak_live_bytes().min(unlimited.peak_reserved_bytes), unlimited.peak_reserved_bytes);
+    while fits - fails > (fits as f64 * tolerance) as u64 {
+        let middle = fails + (fits - fails) / 2;
+        if replay_sim(trace, config, middle)?.ooms == 0 {
+            fits = middle;
+        } else {
+            fails = middle;
+        }
+    }
+    Ok(fits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Host;
+    use crate::trace::TraceBuilder;
+
+    const MIB: u64 = 1 << 20;
+
+    /// Two 8 MiB tensors, one freed, then a 12 MiB one.
+    fn small_trace() -> Trace {
+        let mut b = TraceBuilder::default();
+        b.alloc(0x1000, 8 * MIB, 0, 0).unwrap();
+        b.alloc(0x2000, 8 * MIB, 0, 1).unwrap();
+        b.free(0x1000, 0, 2).unwrap();
+        b.alloc(0x3000, 12 * MIB, 0, 3).unwrap();
+        b.free(0x2000, 0, 4).unwrap();
+        b.free(0x3000, 0, 5).unwrap();
+        b.finish()
+    }
+
+    #[test]
+    fn measures_peaks_and_device_allocations() {
+        let trace = small_trace();
+        assert_eq!(trace.peak_live_bytes(), 20 * MIB);
+        let m = replay_sim(&trace, &Config::default(), u64::MAX).unwrap();
+        // Both 8 MiB requests share one 20 MiB segment; the 12 MiB one needs its own.
+        assert_eq!((m.peak_live_bytes, m.peak_reserved_bytes, m.device_allocs, m.ooms), (20 * MIB, 32 * MIB, 2, 0));
+        assert!((m.utilization() - 20.0 / 32.0).abs() < 1e-12);
+        assert_eq!(m.events, 6);
+    }
+
+    #[test]
+    fn an_oom_is_counted_and_its_free_ignored() {
+        let m = replay_sim(&small_trace(), &Config::default(), 24 * MIB).unwrap();
+        assert_eq!((m.ooms, m.peak_reserved_bytes), (1, 20 * MIB));
+    }
+
+    #[test]
+    fn min_capacity_fits_and_a_little_less_does_not() {
+        let (trace, config) = (small_trace(), Config::default());
+        let min = min_capacity(&trace, &config, 0.005).unwrap();
+        assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
+        assert!(replay_sim(&trace, &config, min - min / 100).unwrap().ooms > 0);
+        assert!(min <= 32 * MIB);
+    }
+
+    #[test]
+    fn host_and_sim_agree() {
+        let trace = small_trace();
+        let config = Config::default();
+        let on_host = replay(&trace, &mut Pool::new(Host::new(Some(64 * MIB)), config.clone()), None).unwrap();
+        let on_sim = replay_sim(&trace, &config, 64 * MIB).unwrap();
+        assert_eq!(
+            (on_host.peak_reserved_bytes, on_host.device_allocs),
+            (on_sim.peak_reserved_bytes, on_sim.device_allocs)
+        );
+    }
+
+    /// Stream 7 frees 8 MiB that stream 9 then asks for: PyTorch's rule (`never`) makes a second
+    /// segment, the default reuses the block once the free's event has completed.
+    #[test]
+    fn each_trace_stream_replays_on_its_own_pool_stream() {
+        let mut b = TraceBuilder::default();
+        b.alloc(0x1000, 8 * MIB, 7, 0).unwrap();
+        b.free(0x1000, 7, 1).unwrap();
+        b.alloc(0x2000, 8 * MIB, 9, 2).unwrap();
+        b.free(0x2000, 9, 3).unwrap();
+        let trace = b.finish();
+        let never = Config::parse("cross_stream_reuse:never").unwrap();
+        assert_eq!(replay_sim(&trace, &never, u64::MAX).unwrap().device_allocs, 2);
+        assert_eq!(replay_sim(&trace, &Config::default(), u64::MAX).unwrap().device_allocs, 1);
+    }
+
+    #[test]
+    fn timeline_keeps_peaks_when_downsampled() {
+        let trace = small_trace();
+        let mut timeline = Timeline::new(trace.events().len(), 2);
+        replay(&trace, &mut Pool::new(Sim::new(u64::MAX), Config::default()), Some(&mut timeline)).unwrap();
+        assert_eq!(timeline.event_index, [0, 3]);
+        assert_eq!(timeline.live_bytes, [16 * MIB, 20 * MIB]);
+        assert_eq!(timeline.reserved_bytes, [20 * MIB, 32 * MIB]);
+    }
+}

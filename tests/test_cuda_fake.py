@@ -1,0 +1,404 @@
+"""The cuda backend's own code against a fake driver over host memory (tests/fake_cuda).
+
+Allocation, copies, streams and events, the context on each thread, error translation and the C
+ABI run for real here; only the driver underneath is simulated. No timing is taken.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+
+import pytest
+
+import fake_driver
+import gpupool
+
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(fake_driver.compiler() is None, reason="no C compiler to build the fake driver")
+
+
+@pytest.fixture(scope="session")
+def build_fake(tmp_path_factory):
+    """Builds (once per variant) the fake with the given symbols hidden."""
+    built = {}
+
+    def build(*hidden: str):
+        if hidden not in built:
+            built[hidden] = fake_driver.build(tmp_path_factory.mktemp("fake_cuda"), hidden)
+        return built[hidden]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def fake(build_fake):
+    return build_fake()
+
+
+def test_pool_round_trip_caches_driver_allocations(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool()
+        ptrs = [pool.alloc(1000 + i) for i in range(50)]
+        ptrs[7].copy_from_host(b"gpupool" * 100, offset=3)
+        data = ptrs[7].copy_to_host()
+        big = pool.alloc(3 * (1 << 20))
+        del ptrs, big
+        pool.check_invariants()
+        held = pool.device_memory_held()
+        pool.empty_cache()
+        report(
+            available=gpupool.cuda_available(), count=gpupool.device_count(), device=pool.device,
+            data=data[3:10].decode(), allocs=calls("cuMemAlloc_v2"), held=held,
+            after_empty=pool.device_memory_held(), frees=calls("cuMemFree_v2"),
+        )
+        """,
+        fake,
+        device_count=2,
+    )
+    assert result["available"] and result["count"] == 2
+    assert result["device"] == "cuda:0"
+    assert result["data"] == "gpupool"
+    assert result["allocs"] == 2, "50 small requests share one 2 MiB segment; 3 MiB gets a large one"
+    assert result["held"] == 2 * MiB + 20 * MiB
+    assert result["after_empty"] == 0 and result["frees"] == 2
+
+
+def test_copies_outside_an_allocation_are_refused(fake):
+    result = fake_driver.run(
+        """
+        ptr = gpupool.Pool("cuda").alloc(100)
+        errors = []
+        for offset in (0, 99, 100):
+            try:
+                ptr.copy_from_host(b"xy", offset=offset)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        report(errors=errors)
+        """,
+        fake,
+    )
+    ok, edge, outside = result["errors"]
+    assert ok is None and "do not fit" in edge and "do not fit" in outside
+
+
+def test_out_of_memory_is_translated(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0")
+        try:
+            pool.alloc(100 << 20)
+            error = None
+        except gpupool.OutOfMemoryError as e:
+            error = str(e)
+        small = pool.alloc(1 << 20)
+        direct = gpupool.Device("cuda:0")
+        try:
+            direct.allocate(100 << 20)
+            direct_error = None
+        except gpupool.OutOfMemoryError as e:
+            direct_error = str(e)
+        report(error=error, ooms=pool.memory_stats()["num_ooms"], direct_error=direct_error)
+        """,
+        fake,
+        memory=64 * MiB,
+    )
+    assert "out of memory on cuda:0" in result["error"]
+    assert "64.00 MiB" in result["error"], "the capacity comes from cuMemGetInfo"
+    assert result["ooms"] == 1
+    assert "refused" in result["direct_error"]
+
+
+def test_capacity_caps_a_cuda_pool(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", capacity="16MiB")
+        kept = pool.alloc(1 << 20)
+        try:
+            pool.alloc(20 << 20)
+            refused = False
+        except gpupool.OutOfMemoryError:
+            refused = True
+        report(refused=refused)
+        """,
+        fake,
+    )
+    assert result["refused"]
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a real CUDA driver is installed")
+def test_missing_driver_is_a_clear_error():
+    result = fake_driver.run(
+        """
+        try:
+            gpupool.Pool("cuda:0")
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        report(error=error, available=gpupool.cuda_available(), count=gpupool.device_count(),
+               default=gpupool.Pool().device)
+        """,
+        None,
+    )
+    assert result["error"].startswith("no CUDA driver found")
+    assert not result["available"] and result["count"] == 0
+    assert result["default"] == "host"
+
+
+OPEN_AND_REPORT = """
+try:
+    gpupool.Pool("cuda:0")
+    error = None
+except RuntimeError as e:
+    error = str(e)
+report(error=error, available=gpupool.cuda_available(), count=gpupool.device_count(),
+       default=gpupool.Pool().device)
+"""
+
+
+def test_old_driver_is_named(fake):
+    result = fake_driver.run(OPEN_AND_REPORT, fake, driver_version=11040)
+    assert "too old" in result["error"] and "11.4" in result["error"] and "12.0" in result["error"]
+    assert not result["available"] and result["default"] == "host"
+
+
+def test_failing_init_is_reported(fake):
+    result = fake_driver.run(OPEN_AND_REPORT, fake, init_error=100)
+    assert "CUDA_ERROR_NO_DEVICE" in result["error"]
+    assert result["count"] == 0
+
+
+def test_missing_core_symbol_is_named(build_fake):
+    result = fake_driver.run(OPEN_AND_REPORT, build_fake("cuMemGetInfo_v2"))
+    assert "lacks cuMemGetInfo_v2" in result["error"]
+    assert not result["available"]
+
+
+def test_missing_async_symbol_only_disables_async_mode(build_fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0")
+        pool.alloc(10)
+        try:
+            gpupool.Device("cuda:0", mode="async")
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        report(error=error)
+        """,
+        build_fake("cuMemAllocAsync"),
+    )
+    assert "lacks cuMemAllocAsync" in result["error"]
+
+
+def test_device_numbers_and_modes(fake):
+    result = fake_driver.run(
+        """
+        errors = {}
+        for spec in ("cuda:2", "cuda:x", "cuda:-1"):
+            try:
+                gpupool.Pool(spec)
+            except (RuntimeError, ValueError) as e:
+                errors[spec] = type(e).__name__ + ": " + str(e)
+        try:
+            gpupool.Device("host", mode="async")
+        except ValueError as e:
+            errors["host async"] = str(e)
+        report(errors=errors, second=gpupool.Pool("cuda:1").device)
+        """,
+        fake,
+        device_count=2,
+    )
+    errors = result["errors"]
+    assert errors["cuda:2"].startswith("RuntimeError") and "does not exist" in errors["cuda:2"]
+    assert errors["cuda:x"].startswith("ValueError") and errors["cuda:-1"].startswith("ValueError")
+    assert "mode" in errors["host async"]
+    assert result["second"] == "cuda:1"
+
+
+def test_direct_and_async_devices_call_the_driver_every_time(fake):
+    result = fake_driver.run(
+        """
+        direct = gpupool.Device("cuda:0")
+        addresses = [direct.allocate(4096) for _ in range(3)]
+        for a in addresses:
+            direct.release(a)
+        stream_ordered = gpupool.Device("cuda:0", mode="async")
+        for _ in range(4):
+            stream_ordered.release(stream_ordered.allocate(1 << 20))
+        try:
+            direct.release(addresses[0])
+            double = None
+        except Exception as e:
+            double = type(e).__name__
+        report(allocs=calls("cuMemAlloc_v2"), frees=calls("cuMemFree_v2"),
+               async_allocs=calls("cuMemAllocAsync"), async_frees=calls("cuMemFreeAsync"), double=double)
+        """,
+        fake,
+    )
+    assert (result["allocs"], result["frees"]) == (3, 3)
+    assert (result["async_allocs"], result["async_frees"]) == (4, 4)
+    assert result["double"] == "ValueError"
+
+
+def test_the_cuda_malloc_async_backend_hands_every_request_to_the_driver_pool(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="backend:cudaMallocAsync")
+        ptrs = [pool.alloc(4096) for _ in range(10)]
+        del ptrs
+        pool.empty_cache()
+        report(async_allocs=calls("cuMemAllocAsync"), async_frees=calls("cuMemFreeAsync"),
+               allocs=calls("cuMemAlloc_v2"))
+        """,
+        fake,
+    )
+    # As PyTorch's backend:cudaMallocAsync: no caching in gpupool, the driver's pool does it.
+    assert (result["async_allocs"], result["async_frees"], result["allocs"]) == (10, 10, 0)
+
+
+def test_every_thread_gets_the_context(fake):
+    result = fake_driver.run(
+        """
+        import threading
+        pool = gpupool.Pool("cuda:0")
+        errors = []
+        def work():
+            try:
+                for _ in range(20):
+                    p = pool.alloc(3 << 20)
+                    p.copy_from_host(b"x" * 16)
+                    pool.empty_cache()
+                    del p
+            except Exception as e:
+                errors.append(repr(e))
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        report(errors=errors, binds=calls("cuCtxSetCurrent"))
+        """,
+        fake,
+    )
+    assert result["errors"] == []
+    assert result["binds"] >= 5, "the opening thread and each worker thread bind the context"
+
+
+def test_streams_and_events_reach_the_driver(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0")
+        side = pool.stream()
+        ptr = pool.alloc(4096, stream=side)
+        cai = ptr.__cuda_array_interface__
+        pool.record_stream(ptr, pool.default_stream)
+        ptr.free()
+        pending = pool.memory_stats()["active_bytes.all.current"]
+        queried = side.query()
+        pool.synchronize()
+        settled = pool.memory_stats()["active_bytes.all.current"]
+        side.synchronize()
+        handles = [pool.default_stream.handle, side.handle]
+        outside = pool.external_stream(side.handle)
+        outside_ptr = pool.alloc(100, stream=outside)
+        outside_stream = outside_ptr.__cuda_array_interface__["stream"]
+        del outside_ptr
+        outside.destroy()
+        destroyed_after_outside = calls("cuStreamDestroy_v2")
+        side.destroy()
+        report(
+            handles=handles, outside_stream=outside_stream, destroyed_after_outside=destroyed_after_outside,
+            stream=cai["stream"], pending=pending, settled=settled,
+            created=calls("cuStreamCreate"), destroyed=calls("cuStreamDestroy_v2"),
+            recorded=calls("cuEventRecord"), queries=calls("cuEventQuery"),
+            synchronized=calls("cuEventSynchronize") + calls("cuStreamSynchronize"),
+        )
+        """,
+        fake,
+        pending_queries=3,
+    )
+    assert result["stream"] not in (None, 0, 1), "a created stream reports its own handle"
+    assert result["pending"] > 0, "the free waits for the default stream's event"
+    assert result["settled"] == 0
+    assert (result["created"], result["destroyed"]) == (1, 1)
+    assert result["handles"][0] == 0 and result["handles"][1] == result["outside_stream"] == result["stream"]
+    assert result["destroyed_after_outside"] == 0, "a wrapped stream is never destroyed by gpupool"
+    assert result["recorded"] >= 1 and result["synchronized"] >= 1
+
+
+def test_expandable_segments_map_pages_through_the_driver(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="expandable_segments:True")
+        ptrs = [pool.alloc(3 << 20) for _ in range(6)]
+        ptrs[4].copy_from_host(b"paged", offset=(1 << 20))
+        data = ptrs[4].copy_to_host()[1 << 20:(1 << 20) + 5]
+        mapped = calls("cuMemMap")
+        del ptrs
+        pool.empty_cache()
+        pool.check_invariants()
+        report(data=data.decode(), mapped=mapped, created=calls("cuMemCreate"), released=calls("cuMemRelease"),
+               held=pool.device_memory_held())
+        """,
+        fake,
+    )
+    assert result["data"] == "paged"
+    assert result["mapped"] >= 9, "18 MiB of blocks need at least nine 2 MiB pages"
+    assert result["created"] == result["released"] and result["held"] == 0
+
+
+def test_cuda_array_interface_and_dlpack_on_cuda(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0")
+        side = pool.stream()
+        ptr = pool.alloc(64)
+        cai = ptr.__cuda_array_interface__
+        view = ptr.view("float32", (4, 4))
+        vcai = view.__cuda_array_interface__
+        side_handle = pool.alloc(8, stream=side).__cuda_array_interface__["stream"]
+        capsule = ptr.__dlpack__(stream=side_handle)
+        is_capsule = ctypes.pythonapi.PyCapsule_IsValid
+        is_capsule.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        report(
+            cai=cai, vcai_shape=vcai["shape"], vcai_type=vcai["typestr"], device=ptr.__dlpack_device__(),
+            capsule=is_capsule(capsule, b"dltensor"), waits=calls("cuStreamWaitEvent"),
+            host_view=hasattr(ptr, "__array_interface__"),
+        )
+        """,
+        fake,
+    )
+    cai = result["cai"]
+    assert cai["version"] == 3 and cai["typestr"] == "|u1" and cai["shape"] == [64]
+    assert cai["data"][1] is False and cai["stream"] == 1, "the legacy default stream is 1"
+    assert result["vcai_shape"] == [4, 4] and result["vcai_type"] == "<f4"
+    assert result["device"] == [2, 0]
+    assert result["capsule"] == 1
+    assert result["waits"] == 1, "the consumer's stream waits for the allocation's"
+    assert not result["host_view"]
+
+
+def test_c_abi_on_the_cuda_backend(fake):
+    result = fake_driver.run(
+        """
+        lib = ctypes.CDLL(_native.__file__)
+        lib.gpupool_alloc.restype = ctypes.c_void_p
+        lib.gpupool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpupool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        _native._capi_configure("cuda", "")
+        ptrs = [lib.gpupool_alloc(1 << 16, 0, None) for _ in range(10)]
+        for p in ptrs:
+            lib.gpupool_free(p, 1 << 16, 0, None)
+        again = lib.gpupool_alloc(1 << 16, 0, None)
+        missing = lib.gpupool_alloc(1 << 16, 5, None)
+        error = _native._capi_last_error()
+        report(distinct=len(set(ptrs)), reused=again in ptrs, missing=missing, error=error,
+               allocs=calls("cuMemAlloc_v2"), stats=_native._capi_memory_stats(0)["allocation.all.current"])
+        """,
+        fake,
+    )
+    assert result["distinct"] == 10 and result["reused"]
+    assert result["allocs"] == 1
+    assert result["missing"] is None and "cuda:5 does not exist" in result["error"]
+    assert result["stats"] == 1

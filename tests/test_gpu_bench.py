@@ -1,0 +1,96 @@
+"""The CPU-side parts of the GPU check: benches/gpu_bench.py's workloads, table and arguments
+(run on host), and benches/gpu_check.sh's refusal without a wheel. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHES = Path(__file__).parent.parent / "benches"
+_spec = importlib.util.spec_from_file_location("gpu_bench", BENCHES / "gpu_bench.py")
+gpu_bench = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_bench"] = gpu_bench  # dataclasses look their module up while it loads
+_spec.loader.exec_module(gpu_bench)
+
+
+def test_the_article_workloads():
+    hold, pairs, mixed = gpu_bench.workloads()
+    assert (len(hold.sizes), len(pairs.sizes), len(mixed.sizes)) == (1000, 1000, 500)
+    assert set(hold.sizes) == {gpu_bench.MiB} and hold.hold_all and not pairs.hold_all
+    assert 1024 <= min(mixed.sizes) and max(mixed.sizes) <= 16 * gpu_bench.MiB
+    assert mixed.sizes == gpu_bench.workloads()[2].sizes, "seeded"
+    small = gpu_bench.workloads(0.01)
+    assert [len(w.sizes) for w in small] == [10, 10, 5]
+
+
+def test_table_and_verdicts():
+    R = gpu_bench.Result
+    results = [
+        R("w", "gpupool.Pool", 10, [0.001, 0.001]),
+        R("w", "cudaMalloc", 10, [0.1, 0.1]),
+        R("w", "PyTorch caching allocator", 10, [0.0005]),
+        R("w", "CuPy MemoryPool", 10, [0.002]),
+    ]
+    table = gpu_bench.format_table(results).splitlines()
+    assert table[0].startswith("| workload |") and len(table) == 2 + len(results)
+    assert "| w | gpupool.Pool | 1.000 | 100.000 | 100.0x | - |" in table
+    assert "| w | cudaMalloc | 100.000 | 10000.000 | 1.0x | 100.0x |" in table
+    assert "| w | PyTorch caching allocator | 0.500 | 50.000 | 200.0x | 0.5x |" in table
+    verdicts = gpu_bench.verdicts(results)
+    assert "PASS w: 100.0x faster than cudaMalloc (target 50x)" in verdicts
+    assert any(v.startswith("MISS") and "PyTorch" in v for v in verdicts)
+    assert any(v.startswith("PASS") and "CuPy" in v for v in verdicts)
+
+
+def test_arguments():
+    args = gpu_bench.parse_args(["--device", "host", "--runs", "2", "--scale", "0.5"])
+    assert (args.device, args.runs, args.scale) == ("host", 2, 0.5)
+    assert gpu_bench.parse_args([]).device in ("host", "cuda:0")
+    for bad in (["--runs", "0"], ["--scale", "2"], ["--scale", "0"]):
+        with pytest.raises(SystemExit):
+            gpu_bench.parse_args(bad)
+
+
+def test_a_whole_run_on_host(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert gpu_bench.main(["--device", "host", "--runs", "1", "--scale", "0.01", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| gpupool.Pool |" in printed and "host malloc" in printed
+    timings = json.loads(out.read_text())
+    assert len(timings) == 6 and all(len(t["seconds"]) == 1 for t in timings)
+
+
+def test_a_failing_contender_is_noted_and_dropped():
+    def refuse(size):
+        raise MemoryError("no room")
+
+    contenders = [
+        gpu_bench.Contender("fine", lambda size: size, lambda handle: None),
+        gpu_bench.Contender("broken", refuse, lambda handle: None),
+    ]
+    notes = []
+    results = gpu_bench.measure(gpu_bench.workloads(0.01), contenders, 2, notes)
+    assert {r.contender for r in results} == {"fine"} and all(len(r.seconds) == 2 for r in results)
+    assert len(notes) == 3 and all("broken failed" in n and "no room" in n for n in notes)
+
+
+def test_only_keeps_the_named_contenders():
+    found, notes = gpu_bench.contenders("host", ["gpupool.Pool"])
+    assert [c.name for c in found] == ["gpupool.Pool"] and notes == []
+
+
+def test_gpu_check_needs_a_wheel(tmp_path):
+    script = BENCHES / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    done = subprocess.run(
+        ["bash", str(script)],
+        env={"PATH": "/usr/bin:/bin", "GPUPOOL_WHEEL": str(tmp_path / "missing.whl"), "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "no gpupool wheel" in done.stderr

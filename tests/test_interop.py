@@ -1,0 +1,181 @@
+"""Zero-copy hand-off on host memory (DLPack, views), the C ABI through ctypes, and lazy imports."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import sys
+
+import numpy as np
+import pytest
+
+import gpupool
+from gpupool import _native
+
+
+@pytest.fixture
+def pool():
+    return gpupool.Pool("host")
+
+
+def test_numpy_from_dlpack_shares_memory(pool):
+    ptr = pool.alloc(64)
+    ptr.copy_from_host(bytes(range(64)))
+    array = np.from_dlpack(ptr)
+    assert array.dtype == np.uint8 and array.shape == (64,)
+    array[:4] = 99
+    assert ptr.copy_to_host()[:4] == bytes([99] * 4)
+    assert ptr.__dlpack_device__() == (1, 0)
+
+
+def _capsule_name(capsule) -> str:
+    name = ctypes.pythonapi.PyCapsule_GetName
+    name.restype = ctypes.c_char_p
+    name.argtypes = [ctypes.py_object]
+    return name(capsule).decode()
+
+
+def test_consumers_get_the_newest_abi_they_read(pool):
+    ptr = pool.alloc(16)
+    assert _capsule_name(ptr.__dlpack__()) == "dltensor"
+    assert _capsule_name(ptr.__dlpack__(max_version=(0, 8))) == "dltensor"
+    assert _capsule_name(ptr.__dlpack__(max_version=(1, 0))) == "dltensor_versioned"
+    assert _capsule_name(ptr.view("uint16").__dlpack__(max_version=(1, 3))) == "dltensor_versioned"
+
+
+def test_an_export_keeps_the_memory_alive(pool):
+    ptr = pool.alloc(4096)
+    array = np.from_dlpack(ptr.view("int32"))
+    array[:] = np.arange(1024)
+    del ptr
+    gc.collect()
+    assert pool.memory_allocated() > 0, "the array still holds the allocation"
+    assert array.sum() == sum(range(1024))
+    del array
+    gc.collect()
+    assert pool.memory_allocated() == 0
+
+
+def test_an_unconsumed_capsule_frees_its_reference(pool):
+    ptr = pool.alloc(128)
+    capsule = ptr.__dlpack__()
+    del ptr
+    gc.collect()
+    assert pool.memory_allocated() > 0
+    del capsule
+    gc.collect()
+    assert pool.memory_allocated() == 0
+
+
+def test_views_have_dtype_and_shape(pool):
+    ptr = pool.alloc(96)
+    view = ptr.view(np.float32, (4, 6))
+    assert isinstance(view, gpupool.View)
+    assert view.shape == (4, 6) and view.typestr == "<f4" and view.nbytes == 96
+    np.asarray(view)[:] = 1.5
+    assert np.from_dlpack(view).sum() == 1.5 * 24
+    assert np.asarray(ptr.view("int16")).shape == (48,)
+    assert np.asarray(ptr.view("complex64", 12)).dtype == np.complex64
+    assert np.from_dlpack(ptr.view("bool", (2, 3))).dtype == np.bool_
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "error"),
+    [
+        ("float64", (13,), ValueError),
+        ("float32", (-1, 2), ValueError),
+        (">f4", None, TypeError),
+        ("U4", None, TypeError),
+    ],
+)
+def test_bad_views_are_refused(pool, dtype, shape, error):
+    with pytest.raises(error):
+        pool.alloc(96).view(dtype, shape)
+
+
+def test_export_refusals(pool):
+    ptr = pool.alloc(16)
+    with pytest.raises(BufferError):
+        ptr.__dlpack__(copy=True)
+    with pytest.raises(BufferError):
+        ptr.__dlpack__(dl_device=(2, 0))
+    assert not hasattr(ptr, "__cuda_array_interface__")
+    ptr.free()
+    with pytest.raises(ValueError, match="freed"):
+        ptr.__dlpack__()
+    sim = gpupool.Pool("sim", capacity="1GiB").alloc(16)
+    with pytest.raises(BufferError):
+        sim.__dlpack__()
+    assert not hasattr(sim, "__cuda_array_interface__")
+
+
+def test_simulated_streams_have_no_handles(pool):
+    assert pool.default_stream.handle is None and pool.stream().handle is None
+    with pytest.raises(RuntimeError, match="external streams"):
+        pool.external_stream(0x1234)
+
+
+def test_cuda_queries_never_raise():
+    assert isinstance(gpupool.cuda_available(), bool)
+    assert isinstance(gpupool.device_count(), int)
+    if not gpupool.cuda_available():
+        assert gpupool.Pool().device == "host"
+
+
+def _capi():
+    lib = ctypes.CDLL(_native.__file__)
+    lib.gpupool_alloc.restype = ctypes.c_void_p
+    lib.gpupool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.gpupool_free.restype = None
+    lib.gpupool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def test_c_abi_on_the_host_backend():
+    lib = _capi()
+    _native._capi_configure("host", "")
+    sizes = [1, 0, 4096, 3 << 20, 700]
+    ptrs = [lib.gpupool_alloc(size, 0, None) for size in sizes]
+    assert all(ptrs) and len(set(ptrs)) == len(ptrs)
+    ctypes.memset(ptrs[2], 0x5A, 4096)
+    assert ctypes.string_at(ptrs[2], 4) == b"ZZZZ"
+    other = lib.gpupool_alloc(100, 1, ctypes.c_void_p(0x1234))
+    stats = _native._capi_memory_stats(0)
+    assert stats["allocation.all.current"] == len(sizes)
+    assert _native._capi_memory_stats(1)["allocation.all.current"] == 1
+    assert _native._capi_memory_stats(7) is None
+    with pytest.raises(RuntimeError, match="still serves"):
+        _native._capi_configure("host", "")
+    for ptr, size in zip(ptrs, sizes):
+        lib.gpupool_free(ptr, size, 0, None)
+    lib.gpupool_free(other, 100, 1, None)
+    assert _native._capi_memory_stats(0)["allocation.all.current"] == 0
+    lib.gpupool_free(ptrs[0], 1, 0, None)
+    assert "not a live allocation" in _native._capi_last_error()
+    assert _native._capi_last_error() is None
+    assert not lib.gpupool_alloc(-5, 0, None)
+    assert "negative" in _native._capi_last_error()
+    assert _native._capi_empty_cache() > 0
+    _native._capi_configure("host", "max_split_size_mb:64")
+    with pytest.raises(ValueError):
+        _native._capi_configure("tpu", "")
+
+
+def test_the_extension_exports_the_c_functions():
+    lib = ctypes.CDLL(_native.__file__)
+    assert lib.gpupool_alloc and lib.gpupool_free
+
+
+@pytest.mark.parametrize("module", ["torch", "cupy", "numba"])
+def test_integrations_import_their_framework_lazily(module, monkeypatch):
+    # A None entry in sys.modules makes the framework's import fail, as if it were not installed.
+    monkeypatch.setitem(sys.modules, module, None)
+    integration = importlib.import_module(f"gpupool.{module}")
+    with pytest.raises(ImportError):
+        if module == "torch":
+            integration.install()
+        elif module == "cupy":
+            integration.allocator(gpupool.Pool("host"))
+        else:
+            integration.GpupoolMemoryManager  # noqa: B018

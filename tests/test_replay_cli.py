@@ -1,0 +1,80 @@
+"""``gpupool replay``: tables, JSON and plots of traces replayed under configurations."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from gpupool import cli
+
+SHARED_TRACES = pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+TRACE = f"""Thread,Time,Action,Pointer,Size,Stream
+0,0.0,allocate,0x10000,{8 << 20},0x0
+0,0.1,allocate,0x20000,{8 << 20},0x0
+0,0.2,free,0x10000,{8 << 20},0x0
+0,0.3,allocate,0x30000,{12 << 20},0x0
+0,0.4,free,0x20000,{8 << 20},0x0
+0,0.5,free,0x30000,{12 << 20},0x0
+"""
+
+
+@pytest.fixture
+def trace_file(tmp_path) -> pathlib.Path:
+    path = tmp_path / "small.csv"
+    path.write_text(TRACE)
+    return path
+
+
+def test_prints_a_row_per_trace_and_config(capsys, trace_file):
+    argv = ["replay", str(trace_file), "--config", "max_split_size_mb:20", "--config", ""]
+    assert cli.main([*argv, "--min-capacity"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # no progress bar when stderr is not a terminal
+    lines = out.splitlines()
+    assert lines[0].startswith("| trace | config | events | peak live | peak reserved |")
+    assert "min capacity" in lines[0]
+    assert lines[2].startswith("| small.csv | max_split_size_mb:20 | 6 | 20.0 MiB | ")
+    assert lines[3].startswith("| small.csv | default | 6 | 20.0 MiB | 32.0 MiB | 62.5% | 2 | 0 | ")
+    assert len(lines) == 4
+
+
+def test_json_has_the_figures_in_bytes(capsys, trace_file):
+    assert cli.main(["replay", str(trace_file), "--json", "--capacity", "24MiB"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["trace"] == "small.csv" and row["config"] == "default"
+    assert row["capacity_bytes"] == 24 << 20
+    assert (row["peak_reserved_bytes"], row["ooms"]) == (20 << 20, 1)
+    assert row["min_capacity_bytes"] is None
+    assert row["events_per_second"] > 0
+
+
+def test_plot_draws_a_png(tmp_path, trace_file):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "memory.png"
+    configs = ["--config", "", "--config", "max_split_size_mb:20"]
+    assert cli.main(["replay", str(trace_file), *configs, "--plot", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_reads_the_shared_traces(capsys):
+    traces = sorted(SHARED_TRACES.glob("*.csv.gz"))
+    if not traces:
+        pytest.skip(f"no traces in {SHARED_TRACES}")
+    assert cli.main(["replay", *map(str, traces)]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [t.name for t in traces]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "missing.csv"], "No such file"),
+        (["replay", "{trace}", "--config", "bogus:1"], "unknown config key 'bogus'"),
+        (["replay", "{trace}", "--capacity", "lots"], "capacity"),
+    ],
+)
+def test_errors_exit_with_a_message(trace_file, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main([arg.format(trace=trace_file) for arg in argv])

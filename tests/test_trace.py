@@ -1,0 +1,440 @@
+"""Traces: RMM CSV and PyTorch snapshot readers, history recording, snapshots PyTorch's viewer
+reads, and replay on sim and host."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import pathlib
+import pickle
+import pickletools
+import random
+
+import pytest
+
+import gpupool
+from gpupool import trace as gtrace
+
+SHARED_TRACES = pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+# From shared/traces/README.md: events and peak live MiB of each real trace.
+KNOWN_TRACES = {
+    "resnet50_train.csv.gz": (15_042, 1647.4),
+    "llama_train.csv.gz": (12_148, 2285.5),
+    "bert_serve_varbatch.csv.gz": (18_724, 665.2),
+}
+MiB = 1 << 20
+
+HEADER = "Thread,Time,Action,Pointer,Size,Stream"
+SAMPLE = f"""{HEADER}
+140573312345856,0.000000,allocate,0x7f8a40000000,1024,0x0
+140573312345857,0.000250,allocate,0x7f8a40000400,2048,0x7f8a38001020
+140573312345856,0.001000,free,0x7f8a40000000,1024,0x0
+140573312345856,0.002000,allocate failure,(nil),1099511627776,0x0
+140573312345857,0.003000,free,0x7f8a40000400,2048,0x7f8a38001020
+"""
+
+
+def shared_trace(name: str) -> pathlib.Path:
+    path = SHARED_TRACES / name
+    if not path.exists():
+        pytest.skip(f"{path} is absent (the shared traces live beside the repository)")
+    return path
+
+
+def write(tmp_path: pathlib.Path, name: str, text: str) -> pathlib.Path:
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    return path
+
+
+@pytest.mark.parametrize("name", ["sample.csv", "sample.csv.gz"])
+def test_reads_a_hand_made_rmm_csv(tmp_path, name):
+    trace = gtrace.load(write(tmp_path, name, SAMPLE))
+    assert len(trace) == 5
+    assert trace.streams == [0, 0x7F8A38001020]
+    assert trace.peak_live_bytes == 3072
+    assert trace.allocations == 2
+    events = list(trace)
+    assert [e.action for e in events] == ["alloc", "alloc", "free", "oom", "free"]
+    assert events[1] == gtrace.Event("alloc", 0x7F8A40000400, 2048, 0x7F8A38001020, 250.0)
+    assert events[4].size == 2048
+    assert "sample.csv" in repr(trace)
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_TRACES))
+def test_reads_the_shared_traces(name):
+    trace = gtrace.load(shared_trace(name))
+    events, peak_mib = KNOWN_TRACES[name]
+    assert len(trace) == events
+    assert trace.peak_live_bytes / MiB == pytest.approx(peak_mib, abs=0.05)
+    actions = [e.action for e in trace]
+    assert actions.count("alloc") == actions.count("free") == trace.allocations
+
+
+MALFORMED_CSV = {
+    "bad header": ("Thread,Time,Action,Pointer\n", r"bad\.csv, line 1: bad header"),
+    "unknown action": (
+        f"{HEADER}\n0,0.0,realloc,0x10,8,0x0\n",
+        r"bad\.csv, line 2: unknown action 'realloc'",
+    ),
+    "unknown free": (f"{HEADER}\n0,0.0,free,0x10,8,0x0\n", r"bad\.csv, line 2: free of 0x10"),
+    "double free": (
+        f"{HEADER}\n0,0.0,allocate,0x10,8,0x0\n0,0.1,free,0x10,8,0x0\n0,0.2,free,0x10,8,0x0\n",
+        r"bad\.csv, line 4: free of 0x10",
+    ),
+    "bad size": (f"{HEADER}\n0,0.0,allocate,0x10,-8,0x0\n", r"bad\.csv, line 2: bad size '-8'"),
+    "short row": (f"{HEADER}\n0,0.0,allocate,0x10,8\n", r"bad\.csv, line 2: expected 6 fields"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_CSV))
+def test_malformed_csv_names_the_file_and_line(tmp_path, case):
+    text, message = MALFORMED_CSV[case]
+    with pytest.raises(ValueError, match=message):
+        gtrace.load(write(tmp_path, "bad.csv", text))
+
+
+def test_truncated_gzip_is_a_value_error(tmp_path):
+    lines = [HEADER] + [f"0,{i}.0,allocate,{0x1000 * (i + 1):#x},512,0x0" for i in range(5000)]
+    data = gzip.compress("\n".join(lines).encode())
+    path = tmp_path / "cut.csv.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut\.csv\.gz, line \d+: .*truncated"):
+        gtrace.load(path)
+
+
+def entry(action: str, **fields) -> dict:
+    return {"action": action, "stream": 0, **fields}
+
+
+# A PyTorch snapshot as torch.cuda.memory._dump_snapshot pickles it, cut down: two blocks
+# allocated before recording began (one freed in the trace, one never touched).
+def torch_like_snapshot() -> dict:
+    frames = [{"filename": "train.py", "line": 10, "name": "step"}]
+    block = {"address": 0x1000, "size": 1024, "requested_size": 1000, "state": "active_allocated"}
+    return {
+        "segments": [
+            {
+                "device": 0,
+                "address": 0x1000,
+                "total_size": 2 << 20,
+                "stream": 0,
+                "segment_type": "small",
+                "segment_pool_id": (0, 0),
+                "blocks": [
+                    dict(block, frames=frames),
+                    dict(block, address=0x1400, state="inactive"),
+                ],
+            }
+        ],
+        "device_traces": [
+            [
+                entry("segment_alloc", addr=0x900000, size=2 << 20, time_us=10),
+                entry("free_requested", addr=0x5000, size=512, time_us=11),
+                entry("free_completed", addr=0x5000, size=512, time_us=11),
+                entry("alloc", addr=0x6000, size=2048, time_us=12, frames=frames),
+                entry("oom", device_free=0, size=1 << 40, time_us=13),
+                entry("free_completed", addr=0x6000, size=2048, time_us=14),
+                {"action": "snapshot", "time_us": 15},
+            ]
+        ],
+        "allocator_settings": {"expandable_segments": False},
+    }
+
+
+def dump(tmp_path: pathlib.Path, obj, name: str = "snap.pickle") -> pathlib.Path:
+    path = tmp_path / name
+    data = pickle.dumps(obj, protocol=4)
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    return path
+
+
+@pytest.mark.parametrize("name", ["snap.pickle", "snap.pickle.gz"])
+def test_reads_a_pytorch_snapshot_pickle(tmp_path, name):
+    trace = gtrace.load(dump(tmp_path, torch_like_snapshot(), name))
+    events = [(e.action, e.address, e.size) for e in trace]
+    assert events == [
+        ("alloc", 0x5000, 512),  # freed in the trace, allocated before it
+        ("alloc", 0x1000, 1000),  # live in the snapshot, never touched by the trace
+        ("free", 0x5000, 512),
+        ("alloc", 0x6000, 2048),
+        ("oom", 0, 1 << 40),
+        ("free", 0x6000, 2048),
+    ]
+    assert trace.peak_live_bytes == 1000 + 2048
+
+
+class Sneaky:
+    """Unpickling this would create a file: the loader must refuse to."""
+
+    def __init__(self, target: pathlib.Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.target,))
+
+
+def snapshot_with(entry) -> dict:
+    return {"segments": [], "device_traces": [[{"action": "alloc", "addr": 16, "size": 8}, entry]]}
+
+
+MALFORMED_PICKLES = {
+    "unknown action": (
+        snapshot_with({"action": "realloc", "addr": 16, "size": 8}),
+        r"snap\.pickle, device_traces\[0\], entry 1: unknown action 'realloc'",
+    ),
+    "double free": (
+        {
+            "device_traces": [
+                [
+                    {"action": "alloc", "addr": 16, "size": 8},
+                    {"action": "free_completed", "addr": 16, "size": 8},
+                    {"action": "free_completed", "addr": 16, "size": 8},
+                ]
+            ]
+        },
+        r"snap\.pickle, device_traces\[0\], entry 2: free of 0x10",
+    ),
+    "entry not a dict": (snapshot_with([1, 2]), r"entry 1: expected a dict"),
+    "missing size": (snapshot_with({"action": "alloc", "addr": 32}), r"entry 1: 'size' must be"),
+    "not a snapshot": ({"segments": []}, r"snap\.pickle: not a memory snapshot"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_PICKLES))
+def test_malformed_snapshots_name_the_file_and_entry(tmp_path, case):
+    snapshot, message = MALFORMED_PICKLES[case]
+    with pytest.raises(ValueError, match=message):
+        gtrace.load(dump(tmp_path, snapshot))
+
+
+def test_a_pickle_carrying_objects_is_refused_without_running_it(tmp_path):
+    target = tmp_path / "pwned"
+    path = dump(tmp_path, snapshot_with(Sneaky(target)))
+    with pytest.raises(ValueError, match=r"snap\.pickle: .*pathlib\..*Path\.touch object"):
+        gtrace.load(path)
+    assert not target.exists()
+
+
+def test_a_truncated_pickle_is_a_value_error(tmp_path):
+    path = dump(tmp_path, torch_like_snapshot())
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ValueError, match=r"snap\.pickle: not a readable PyTorch memory snapshot"):
+        gtrace.load(path)
+
+
+def test_snapshots_of_several_devices_need_a_choice(tmp_path):
+    entries = [{"action": "alloc", "addr": 16, "size": 8}]
+    path = dump(tmp_path, {"segments": [], "device_traces": [entries, entries]})
+    with pytest.raises(ValueError, match=r"devices \[0, 1\] have traces"):
+        gtrace.load(path)
+    assert len(gtrace.load(path, device=1)) == 1
+    with pytest.raises(ValueError, match="no device 2"):
+        gtrace.load(path, device=2)
+
+
+def run_workload(pool: gpupool.Pool, steps: int = 400, seed: int = 7) -> None:
+    """Allocations of mixed sizes with frees in between, leaving some live at the end."""
+    rng = random.Random(seed)
+    live = []
+    for _ in range(steps):
+        if live and rng.random() < 0.45:
+            live.pop(rng.randrange(len(live))).free()
+        else:
+            live.append(pool.alloc(int(2 ** rng.uniform(8, 25))))
+    for ptr in live[: len(live) // 2]:
+        ptr.free()
+    pool.empty_cache()
+    live.clear()
+
+
+@pytest.mark.parametrize("config", [None, "max_split_size_mb:40"])
+def test_record_dump_load_replay_gives_the_same_peaks(tmp_path, config):
+    pool = gpupool.Pool("sim", capacity="4GiB", config=config)
+    pool.record_history(max_entries=100_000)
+    run_workload(pool)
+    path = tmp_path / "recorded.csv.gz"
+    pool.dump_trace(path)
+    trace = gtrace.load(path)
+    result = gpupool.replay(trace, config=config, capacity="4GiB")
+    stats = pool.memory_stats()
+    assert result.peak_reserved_bytes == pool.max_memory_reserved()
+    assert result.peak_live_bytes == stats["requested_bytes.all.peak"]
+    assert result.device_allocs == stats["num_device_alloc"]
+    assert result.ooms == 0
+    from_snapshot = gpupool.replay(gtrace.from_snapshot(pool.snapshot()), config=config)
+    assert from_snapshot.peak_reserved_bytes == result.peak_reserved_bytes
+
+
+def test_history_is_a_ring_and_can_be_switched_off(tmp_path):
+    pool = gpupool.Pool("sim", capacity="1GiB")
+    with pytest.raises(ValueError, match="record_history"):
+        pool.dump_trace(tmp_path / "none.csv")
+    assert pool.snapshot()["device_traces"] == [[]]
+    pool.record_history(max_entries=4)
+    for _ in range(3):
+        pool.alloc(4096).free()
+    entries = pool.snapshot()["device_traces"][0]
+    actions = [e["action"] for e in entries]
+    assert actions == ["free_completed", "alloc", "free_requested", "free_completed"]
+    pool.record_history(enabled=False)
+    assert pool.snapshot()["device_traces"] == [[]]
+    with pytest.raises(ValueError, match="at least 1"):
+        pool.record_history(max_entries=0)
+
+
+# What PyTorch's memory_viz reads (REFERENCE §2, MemoryViz.js).
+SNAPSHOT_KEYS = {"segments", "device_traces", "allocator_settings"}
+SEGMENT_KEYS = {
+    "device",
+    "address",
+    "total_size",
+    "allocated_size",
+    "active_size",
+    "requested_size",
+    "stream",
+    "segment_type",
+    "segment_pool_id",
+    "is_expandable",
+    "frames",
+    "blocks",
+}
+BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
+ENTRY_KEYS = {"action", "addr", "size", "stream", "time_us", "frames"}
+# The opcodes memory_viz's JavaScript unpickler understands (protocols 2 to 4).
+VIEWER_OPCODES = {
+    "PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
+    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS", "EMPTY_LIST", "LIST", "APPEND", "APPENDS",
+    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "BININT", "BININT1", "BININT2", "LONG1",
+    "BINFLOAT", "SHORT_BINUNICODE", "BINUNICODE", "NEWTRUE", "NEWFALSE", "NONE",
+}  # fmt: skip
+
+
+def test_a_pool_snapshot_has_every_key_the_viewer_reads():
+    pool = gpupool.Pool("sim", capacity=64 * MiB)
+    pool.record_history()
+    kept = [pool.alloc(size) for size in (1000, 3 * MiB, 24 * MiB)]
+    pool.alloc(5000).free()
+    with pytest.raises(gpupool.OutOfMemoryError):
+        pool.alloc(60 * MiB)
+    kept.pop().free()
+    pool.empty_cache()
+    snapshot = pool.snapshot()
+    assert SNAPSHOT_KEYS <= set(snapshot)
+    assert snapshot["segments"]
+    for segment in snapshot["segments"]:
+        assert SEGMENT_KEYS <= set(segment)
+        # The viewer places blocks by adding up sizes from the segment's address.
+        address = segment["address"]
+        for block in segment["blocks"]:
+            assert BLOCK_KEYS <= set(block)
+            assert block["address"] == address
+            address += block["size"]
+        assert address == segment["address"] + segment["total_size"]
+    (entries,) = snapshot["device_traces"]
+    actions = {e["action"] for e in entries}
+    assert actions == {"alloc", "free_requested", "free_completed"} | {
+        "segment_alloc",
+        "segment_free",
+        "oom",
+    }
+    for entry in entries:
+        keys = ENTRY_KEYS - {"addr"} | {"device_free"} if entry["action"] == "oom" else ENTRY_KEYS
+        assert keys <= set(entry), entry
+    assert all(a["time_us"] <= b["time_us"] for a, b in itertools.pairwise(entries))
+    # pickle.dump's default protocol on Python 3.10 to 3.13 is 4, the newest the viewer reads.
+    data = pickle.dumps(snapshot, protocol=4)
+    assert {op.name for op, _, _ in pickletools.genops(data)} <= VIEWER_OPCODES
+
+
+def test_replay_counts_ooms_and_keeps_going():
+    trace = gtrace.load(shared_trace("llama_train.csv.gz"))
+    unlimited = gpupool.replay(trace)
+    tight = gpupool.replay(trace, capacity=unlimited.peak_reserved_bytes // 2)
+    assert unlimited.ooms == 0 < tight.ooms
+    assert tight.events == len(trace)
+    assert tight.peak_reserved_bytes <= unlimited.peak_reserved_bytes // 2
+    assert tight.min_capacity_bytes is None
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_TRACES))
+def test_min_capacity_fits_and_sim_agrees_with_host(name):
+    trace = gtrace.load(shared_trace(name))
+    result = gpupool.replay(trace, min_capacity=True)
+    minimum = result.min_capacity_bytes
+    assert trace.peak_live_bytes <= minimum <= result.peak_reserved_bytes
+    assert result.min_capacity_utilization == pytest.approx(trace.peak_live_bytes / minimum)
+    assert gpupool.replay(trace, capacity=minimum).ooms == 0
+    for capacity in (minimum, int(minimum * 0.9)):
+        on_sim = gpupool.replay(trace, capacity=capacity)
+        on_host = gpupool.replay(trace, capacity=capacity, device="host")
+        figures = ("peak_live_bytes", "peak_reserved_bytes", "device_allocs", "ooms")
+        assert [getattr(on_host, f) for f in figures] == [getattr(on_sim, f) for f in figures]
+        assert on_host.timeline == on_sim.timeline
+
+
+def test_timeline_covers_the_trace_and_keeps_the_peaks():
+    trace = gtrace.load(shared_trace("resnet50_train.csv.gz"))
+    result = gpupool.replay(trace, config="max_split_size_mb:64")
+    events, reserved, live = result.timeline
+    assert events[0] == 0 and events[-1] < len(trace) and len(events) <= 2000
+    assert max(reserved) == result.peak_reserved_bytes
+    assert max(live) == result.peak_live_bytes
+    assert result.config == "max_split_size_mb:64"
+    assert result.events_per_second > 0
+
+
+def test_replay_takes_a_path_and_rejects_bad_arguments(tmp_path):
+    path = write(tmp_path, "sample.csv", SAMPLE)
+    assert gpupool.replay(path).peak_live_bytes == 3072
+    with pytest.raises(ValueError, match="unknown config key 'bogus'"):
+        gpupool.replay(path, config="bogus:1")
+    with pytest.raises(ValueError, match="unknown device"):
+        gpupool.replay(path, device="tpu")
+
+
+def step_back_through(snapshot: dict) -> None:
+    """What memory_viz's "Allocator State History" does to show any past moment: start from the
+    snapshot's segments and blocks, undo the trace entries from the newest. Each undo needs the
+    block or segment it touches to exist at that point."""
+    segments = {s["address"] for s in snapshot["segments"]}
+    blocks = {
+        b["address"]: b["state"] == "active_pending_free"
+        for s in snapshot["segments"]
+        for b in s["blocks"]
+        if b["state"] in ("active_allocated", "active_pending_free")
+    }
+    for e in reversed(snapshot["device_traces"][0]):
+        action = e["action"]
+        if action == "alloc":
+            assert blocks.pop(e["addr"]) is False, e
+        elif action == "free_requested":
+            assert blocks[e["addr"]] is True, e
+            blocks[e["addr"]] = False
+        elif action == "free_completed":
+            assert e["addr"] not in blocks, e
+            blocks[e["addr"]] = True
+        elif action == "segment_alloc":
+            segments.remove(e["addr"])
+        elif action == "segment_free":
+            assert e["addr"] not in segments, e
+            segments.add(e["addr"])
+
+
+def test_the_viewer_can_step_back_through_a_recorded_history():
+    pool = gpupool.Pool("sim", capacity="1GiB")
+    pool.record_history(max_entries=10_000)
+    side = pool.stream()
+    run_workload(pool, steps=200)
+    held = pool.alloc(3 * MiB)
+    side.hold()
+    held.record_stream(side)
+    held.free()  # pending until the side stream is synchronized
+    step_back_through(pool.snapshot())
+    side.synchronize()
+    again = pool.alloc(3 * MiB)
+    snapshot = pool.snapshot()
+    assert [e["action"] for e in snapshot["device_traces"][0][-2:]] == ["free_completed", "alloc"]
+    step_back_through(snapshot)
+    gpupool.replay(gtrace.from_snapshot(snapshot))
+    again.free()
