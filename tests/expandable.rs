@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 const MIB: u64 = 1 << 20;
 
 fn config() -> Config {
-    Config { page_size: Some(2 * MIB), ..Config::default() }
+    Config::parse("strategy:expandable").unwrap()
 }
 
 fn reserved<D: Device>(pool: &Pool<D>) -> u64 {
@@ -101,7 +101,8 @@ fn allocation_order_no_longer_changes_reservation() {
         live.into_iter().for_each(|a| pool.free(a.handle).unwrap());
         maps.push(pool.stats().num_device_map);
     }
-    assert_eq!(pool.stats().get(Metric::ReservedBytes, StatType::All).peak, 128 * MIB);
+    // 128 MiB live at most, plus what one map call reaches ahead (20 MiB).
+    assert!(pool.stats().get(Metric::ReservedBytes, StatType::All).peak <= 148 * MIB);
     assert_eq!(maps[0], maps[1], "the pages mapped for the first wave serve the second");
 }
 

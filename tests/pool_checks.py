@@ -10,7 +10,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 # Every strategy the contract suites run against (add "default" once it parses).
-STRATEGIES = ("pytorch", "bfc", "arena", "eager", "direct", "expandable")
+STRATEGIES = ("default", "pytorch", "bfc", "arena", "eager", "direct", "expandable")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ RULES = {
     "eager": SizeRules(512, small_pool=False, fixed_segments=True),
     "direct": SizeRules(512, small_pool=False, fixed_segments=False),
     "expandable": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB),
+    "default": SizeRules(512, small_pool=False, fixed_segments=False, page_size=2 * MiB),
 }
 
 

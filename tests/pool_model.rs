@@ -63,7 +63,7 @@ impl Shadow {
 }
 
 /// Every strategy the engine offers; `default` joins once it parses.
-const STRATEGIES: &[&str] = &["pytorch", "bfc", "arena", "eager", "direct", "expandable"];
+const STRATEGIES: &[&str] = &["default", "pytorch", "bfc", "arena", "eager", "direct", "expandable"];
 
 /// `settings` under each strategy (a strategy setting wins over a `strategy:` inside).
 fn configs(settings: &str) -> impl Iterator<Item = Config> + '_ {

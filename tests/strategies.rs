@@ -7,8 +7,11 @@ use gpupool::pool::{Config, Pool, PoolError};
 
 const MIB: u64 = 1 << 20;
 
+/// A pool with `config`; PyTorch's plain segments unless it names another strategy.
 fn pool(capacity: u64, config: &str) -> Pool<Sim> {
-    Pool::new(Sim::new(capacity), Config::parse(config).unwrap())
+    let named = config.contains("strategy:") || config.contains("expandable_segments");
+    let config = if named { config.to_string() } else { format!("strategy:pytorch,{config}") };
+    Pool::new(Sim::new(capacity), Config::parse(&config).unwrap())
 }
 
 fn reserved<D: Device>(pool: &Pool<D>) -> u64 {

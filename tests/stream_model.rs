@@ -7,6 +7,8 @@ use gpupool::pool::{Allocation, Config, CrossStreamReuse, Pool, PoolError};
 use proptest::prelude::*;
 
 const MIB: u64 = 1 << 20;
+/// Plain segments, paged ranges, and a pre-allocated arena shared by all streams.
+const STRATEGIES: &[&str] = &["default", "pytorch", "expandable", "arena", "bfc"];
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -45,8 +47,8 @@ struct Busy {
     stream: usize,
 }
 
-fn run(mode: CrossStreamReuse, page_size: Option<u64>, ops: &[Op]) {
-    let config = Config { cross_stream_reuse: mode, page_size, ..Config::default() };
+fn run(mode: CrossStreamReuse, strategy: &str, ops: &[Op]) {
+    let config = Config::parse(&format!("strategy:{strategy},cross_stream_reuse:{}", mode.name())).unwrap();
     let mut pool = Pool::new(Sim::new(160 * MIB), config);
     let streams: Vec<u32> = std::iter::once(0).chain((0..3).map(|_| pool.create_stream().unwrap())).collect();
     let (mut live, mut busy): (Vec<Live>, Vec<Busy>) = (Vec::new(), Vec::new());
@@ -116,22 +118,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn never_reuses_across_streams(ops in ops()) {
-        run(CrossStreamReuse::Never, None, &ops);
+    fn never_reuses_across_streams(ops in ops(), strategy in prop::sample::select(STRATEGIES)) {
+        run(CrossStreamReuse::Never, strategy, &ops);
     }
 
     #[test]
-    fn completed_reuses_only_after_events(ops in ops()) {
-        run(CrossStreamReuse::Completed, None, &ops);
+    fn completed_reuses_only_after_events(ops in ops(), strategy in prop::sample::select(STRATEGIES)) {
+        run(CrossStreamReuse::Completed, strategy, &ops);
     }
 
     #[test]
-    fn wait_orders_the_new_stream_after_the_old(ops in ops()) {
-        run(CrossStreamReuse::Wait, None, &ops);
-    }
-
-    #[test]
-    fn expandable_segments_are_stream_safe(ops in ops()) {
-        run(CrossStreamReuse::Completed, Some(2 * MIB), &ops);
+    fn wait_orders_the_new_stream_after_the_old(ops in ops(), strategy in prop::sample::select(STRATEGIES)) {
+        run(CrossStreamReuse::Wait, strategy, &ops);
     }
 }

@@ -41,7 +41,8 @@ SUMMARY_ROWS = (
 
 @pytest.fixture
 def pool():
-    return gpupool.Pool("host")
+    """PyTorch's rules, which most examples here check (the default strategy differs)."""
+    return gpupool.Pool("host", config="strategy:pytorch")
 
 
 def segments_of(pool) -> list[dict]:
@@ -211,7 +212,7 @@ def test_empty_cache_releases_only_fully_free_segments(pool):
 
 
 def test_refusal_releases_the_cache_and_retries():
-    pool = gpupool.Pool("sim", capacity=64 * MiB)
+    pool = gpupool.Pool("sim", capacity=64 * MiB, config="strategy:pytorch")
     pool.alloc(40 * MiB).free()
     ptr = pool.alloc(50 * MiB)
     stats = pool.memory_stats()
@@ -237,7 +238,7 @@ def test_device_allocates_without_pooling():
 
 
 def test_max_split_size_keeps_oversize_blocks_whole():
-    pool = gpupool.Pool("sim", capacity="1GiB", config="max_split_size_mb:32")
+    pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch,max_split_size_mb:32")
     assert pool.config["max_split_size_mb"] == 32
     pool.alloc(40 * MiB).free()
     below = pool.alloc(20 * MiB)  # under max_split_size: may not carve up the cached 40 MiB block

@@ -39,7 +39,7 @@ def fake(build_fake):
 def test_pool_round_trip_caches_driver_allocations(fake):
     result = fake_driver.run(
         """
-        pool = gpupool.Pool()
+        pool = gpupool.Pool(config="strategy:pytorch")
         ptrs = [pool.alloc(1000 + i) for i in range(50)]
         ptrs[7].copy_from_host(b"gpupool" * 100, offset=3)
         data = ptrs[7].copy_to_host()
@@ -386,7 +386,7 @@ def test_c_abi_on_the_cuda_backend(fake):
         lib.gpupool_alloc.restype = ctypes.c_void_p
         lib.gpupool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         lib.gpupool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        _native._capi_configure("cuda", "")
+        _native._capi_configure("cuda", "strategy:pytorch")
         ptrs = [lib.gpupool_alloc(1 << 16, 0, None) for _ in range(10)]
         for p in ptrs:
             lib.gpupool_free(p, 1 << 16, 0, None)

@@ -28,22 +28,24 @@ def trace_file(tmp_path) -> pathlib.Path:
 
 
 def test_prints_a_row_per_trace_and_config(capsys, trace_file):
-    argv = ["replay", str(trace_file), "--config", "max_split_size_mb:20", "--config", ""]
+    argv = ["replay", str(trace_file), "--config", "strategy:pytorch,max_split_size_mb:20", "--config", "strategy:pytorch"]
     assert cli.main([*argv, "--min-capacity"]) == 0
     out, err = capsys.readouterr()
     assert err == ""  # no progress bar when stderr is not a terminal
     lines = out.splitlines()
     assert lines[0].startswith("| trace | config | events | peak live | peak reserved |")
     assert "min capacity" in lines[0]
-    assert lines[2].startswith("| small.csv | max_split_size_mb:20 | 6 | 20.0 MiB | ")
-    assert lines[3].startswith("| small.csv | default | 6 | 20.0 MiB | 32.0 MiB | 62.5% | 2 | 0 | ")
+    assert lines[2].startswith("| small.csv | strategy:pytorch,max_split_size_mb:20 | 6 | 20.0 MiB | ")
+    # Two segment allocations for three allocations: 666.7 device calls per 1000.
+    assert lines[3].startswith("| small.csv | strategy:pytorch | 6 | 20.0 MiB | 32.0 MiB | 62.5% | 666.7 | 0 | ")
     assert len(lines) == 4
 
 
 def test_json_has_the_figures_in_bytes(capsys, trace_file):
-    assert cli.main(["replay", str(trace_file), "--json", "--capacity", "24MiB"]) == 0
+    argv = ["replay", str(trace_file), "--json", "--capacity", "24MiB", "--config", "strategy:pytorch"]
+    assert cli.main(argv) == 0
     (row,) = json.loads(capsys.readouterr().out)
-    assert row["trace"] == "small.csv" and row["config"] == "default"
+    assert row["trace"] == "small.csv" and row["config"] == "strategy:pytorch"
     assert row["capacity_bytes"] == 24 << 20
     assert (row["peak_reserved_bytes"], row["ooms"]) == (20 << 20, 1)
     assert row["min_capacity_bytes"] is None

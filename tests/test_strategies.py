@@ -81,7 +81,7 @@ def test_strategies_differ_where_their_frameworks_do():
 
 
 def test_the_release_watermark_gives_idle_segments_back():
-    pool = sim("release_threshold:0.5")
+    pool = sim("strategy:pytorch,release_threshold:0.5")
     a, b, c = (pool.alloc(12 * MiB) for _ in range(3))
     a.free()
     assert pool.memory_reserved() == 36 * MiB
@@ -101,7 +101,7 @@ def test_the_memory_fraction_caps_the_pool():
 
 
 def test_config_lists_every_effective_setting():
-    pool = sim("roundup_power2_divisions:[256:1,512:2,>:8],max_split_size_mb:64")
+    pool = sim("strategy:pytorch,roundup_power2_divisions:[256:1,512:2,>:8],max_split_size_mb:64")
     config = pool.config
     assert config == pool.snapshot()["allocator_settings"]
     assert config["strategy"] == "pytorch" and config["backend"] == "native"

@@ -127,7 +127,7 @@ for _mode in MODES:
 
 @pytest.fixture
 def pool():
-    return gpupool.Pool("sim", capacity="1GiB")
+    return gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch")
 
 
 def test_record_stream_defers_the_free_until_the_stream_synchronizes(pool):
@@ -173,7 +173,7 @@ def test_active_memory_row_shows_pending_bytes(pool):
 
 
 def _alternating_reserved(mode: str) -> int:
-    pool = gpupool.Pool("sim", capacity="1GiB", config=f"cross_stream_reuse:{mode}")
+    pool = gpupool.Pool("sim", capacity="1GiB", config=f"strategy:pytorch,cross_stream_reuse:{mode}")
     streams = [pool.stream(), pool.stream()]
     for step in range(20):
         ptrs = [pool.alloc(12 * MiB, stream=streams[step % 2]) for _ in range(4)]
@@ -189,7 +189,7 @@ def test_completed_reuse_reserves_less_than_never_on_alternating_streams():
 
 
 def test_wait_hands_a_busy_block_to_another_stream_after_a_wait():
-    pool = gpupool.Pool("sim", capacity="1GiB", config="cross_stream_reuse:wait")
+    pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch,cross_stream_reuse:wait")
     s1, s2 = pool.stream(), pool.stream()
     s1.hold()
     p = pool.alloc(12 * MiB, stream=s1)
@@ -204,7 +204,7 @@ def test_wait_hands_a_busy_block_to_another_stream_after_a_wait():
 
 
 def test_completed_waits_for_a_busy_stream():
-    pool = gpupool.Pool("sim", capacity="1GiB")
+    pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch")
     s1, s2 = pool.stream(), pool.stream()
     s1.hold()
     p = pool.alloc(12 * MiB, stream=s1)

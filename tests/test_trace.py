@@ -310,8 +310,12 @@ VIEWER_OPCODES = {
 }  # fmt: skip
 
 
-def test_a_pool_snapshot_has_every_key_the_viewer_reads():
-    pool = gpupool.Pool("sim", capacity=64 * MiB)
+@pytest.mark.parametrize(
+    ("config", "segment_actions"),
+    [("strategy:pytorch", {"segment_alloc", "segment_free"}), ("strategy:default", {"segment_map", "segment_unmap"})],
+)
+def test_a_pool_snapshot_has_every_key_the_viewer_reads(config, segment_actions):
+    pool = gpupool.Pool("sim", capacity=64 * MiB, config=config)
     pool.record_history()
     kept = [pool.alloc(size) for size in (1000, 3 * MiB, 24 * MiB)]
     pool.alloc(5000).free()
@@ -333,11 +337,7 @@ def test_a_pool_snapshot_has_every_key_the_viewer_reads():
         assert address == segment["address"] + segment["total_size"]
     (entries,) = snapshot["device_traces"]
     actions = {e["action"] for e in entries}
-    assert actions == {"alloc", "free_requested", "free_completed"} | {
-        "segment_alloc",
-        "segment_free",
-        "oom",
-    }
+    assert actions == {"alloc", "free_requested", "free_completed", "oom"} | segment_actions
     for entry in entries:
         keys = ENTRY_KEYS - {"addr"} | {"device_free"} if entry["action"] == "oom" else ENTRY_KEYS
         assert keys <= set(entry), entry

@@ -183,6 +183,11 @@ class ReplayResult:
     @property
     def device_allocs(self) -> int: ...
     @property
+    def device_calls(self) -> int:
+        """Segment allocations and releases plus page maps and unmaps."""
+    @property
+    def device_calls_per_1k_allocs(self) -> float: ...
+    @property
     def ooms(self) -> int:
         """Allocations that did not fit: skipped, their frees ignored."""
     @property

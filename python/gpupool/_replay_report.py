@@ -80,6 +80,8 @@ def as_dict(result: ReplayResult) -> dict[str, Any]:
         "peak_reserved_bytes": result.peak_reserved_bytes,
         "utilization": result.utilization,
         "device_allocs": result.device_allocs,
+        "device_calls": result.device_calls,
+        "device_calls_per_1k_allocs": result.device_calls_per_1k_allocs,
         "ooms": result.ooms,
         "events_per_second": result.events_per_second,
         "min_capacity_bytes": result.min_capacity_bytes,
@@ -91,13 +93,13 @@ def table(results: Sequence[ReplayResult]) -> str:
     """A Markdown table with one row per trace and configuration."""
     with_min = any(r.min_capacity_bytes is not None for r in results)
     header = ["trace", "config", "events", "peak live", "peak reserved", "utilization"]
-    header += ["device allocs", "OOMs"]
+    header += ["device calls / 1k allocs", "OOMs"]
     header += ["min capacity", "utilization at min"] if with_min else []
     header += ["events/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
     for r in results:
         row = [*_label(r), f"{r.events:,}", _mib(r.peak_live_bytes), _mib(r.peak_reserved_bytes)]
-        row += [f"{r.utilization:.1%}", str(r.device_allocs), str(r.ooms)]
+        row += [f"{r.utilization:.1%}", f"{r.device_calls_per_1k_allocs:.1f}", str(r.ooms)]
         if with_min:
             at_min = r.min_capacity_utilization
             row += [_mib(r.min_capacity_bytes), "" if at_min is None else f"{at_min:.1%}"]

@@ -62,7 +62,10 @@ pub struct BlockInfo {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentInfo {
     pub address: u64,
+    /// Address space covered; for an expandable segment only `mapped` bytes of it are memory.
     pub size: u64,
+    pub mapped: u64,
+    pub expandable: bool,
     pub kind: PoolKind,
     pub stream: u32,
     pub blocks: Vec<BlockInfo>,
@@ -91,6 +94,8 @@ pub struct Heap {
     /// `gc_count`), for garbage collection and the release watermark.
     pub(super) clocks: [u32; 2],
     pub(super) stats: Stats,
+    /// Whether a stream's free block may absorb shared neighbours (see `keep_shared_apart`).
+    absorb_shared: bool,
 }
 
 impl Heap {
@@ -106,6 +111,7 @@ impl Heap {
             epochs: Vec::new(),
             clocks: [0; 2],
             stats: Stats::default(),
+            absorb_shared: true,
         }
     }
 
@@ -259,10 +265,9 @@ impl Heap {
         }
     }
 
-    /// The free blocks of segment `sid`, as (address, size), in address order.
-    pub fn free_ranges(&self, sid: SegmentId) -> Vec<(u64, u64)> {
-        let seg = self.segment(sid);
-        self.blocks_of(seg).filter(|(_, b)| b.state == BlockState::Free).map(|(_, b)| (b.address, b.size)).collect()
+    /// The free blocks of segment `sid` with their slab indices, in address order.
+    pub fn free_blocks(&self, sid: SegmentId) -> impl Iterator<Item = (u32, &Block)> {
+        self.blocks_of(self.segment(sid)).filter(|(_, b)| b.state == BlockState::Free)
     }
 
     /// The (lowest-address) first block of segment `sid`.
@@ -499,7 +504,13 @@ impl Heap {
 
     fn mergeable(&self, owner: u32, neighbour: u32) -> bool {
         let n = &self.blocks[neighbour as usize];
-        n.state == BlockState::Free && (n.stream == owner || n.stream == SHARED)
+        n.state == BlockState::Free && (n.stream == owner || (n.stream == SHARED && self.absorb_shared))
+    }
+
+    /// Stops streams' free blocks from absorbing shared neighbours. Without cross-stream reuse no
+    /// fence ever shares them again, so absorbed shared memory would be lost to other streams.
+    pub fn keep_shared_apart(&mut self) {
+        self.absorb_shared = false;
     }
 
     /// Takes a free neighbour out of its bin and the statistics before it is merged.
@@ -581,10 +592,9 @@ impl Heap {
     pub fn release_free_segments(&mut self) -> Vec<(u64, u64)> {
         let mut released = Vec::new();
         for sid in 0..self.segments.len() {
-            let Some(seg) = self.segments[sid].clone() else { continue };
-            let head = &self.blocks[seg.head as usize];
+            let Some(seg) = self.segments[sid].as_ref() else { continue };
             // An expandable segment goes only once its pages are unmapped.
-            if head.state != BlockState::Free || head.next != NIL || (seg.expandable && seg.mapped != 0) {
+            if !self.is_fully_free(seg) || (seg.expandable && seg.mapped != 0) {
                 continue;
             }
             released.push(self.remove_segment(sid as u32));
@@ -592,11 +602,23 @@ impl Heap {
         released
     }
 
-    /// Removes segment `sid`, which must be one free block; returns its (address, size).
+    /// Whether every block of `seg` is free. Usually that is one block; free blocks of
+    /// different owners may stay apart, so this walks until the first block in use.
+    pub(super) fn is_fully_free(&self, seg: &Segment) -> bool {
+        self.blocks_of(seg).all(|(_, b)| b.state == BlockState::Free)
+    }
+
+    /// Removes segment `sid`, whose blocks must all be free; returns its (address, size).
     pub(super) fn remove_segment(&mut self, sid: SegmentId) -> (u64, u64) {
         let seg = self.segments[sid as usize].take().expect("removing a released segment");
-        self.bin_remove(seg.head);
-        self.drop_block(seg.head);
+        let mut id = seg.head;
+        while id != NIL {
+            let next = self.blocks[id as usize].next;
+            self.uncount_inactive(id);
+            self.bin_remove(id);
+            self.drop_block(id);
+            id = next;
+        }
         self.unused_segments.push(sid);
         self.stats.decrease(Metric::Segment, seg.kind, 1);
         self.stats.decrease(Metric::ReservedBytes, seg.kind, seg.mapped);
@@ -634,6 +656,8 @@ impl Heap {
             .map(|seg| SegmentInfo {
                 address: seg.address,
                 size: seg.size,
+                mapped: seg.mapped,
+                expandable: seg.expandable,
                 kind: seg.kind,
                 stream: seg.stream,
                 blocks: self

@@ -1,7 +1,6 @@
 //! Idle segments: cached segments that are one free block, the memory a pool can give back
 //! without moving anything, with their ages for garbage collection and the release watermark.
 
-use super::block::{BlockState, NIL};
 use super::heap::{Heap, SegmentId};
 use super::rules::PoolKind;
 use super::stats::{Metric, StatType};
@@ -22,10 +21,7 @@ impl Heap {
     /// ranges never are: they give memory back by unmapping pages.
     pub fn is_idle(&self, sid: SegmentId) -> bool {
         match self.segments.get(sid as usize) {
-            Some(Some(seg)) if !seg.expandable => {
-                let head = &self.blocks[seg.head as usize];
-                head.state == BlockState::Free && head.next == NIL
-            }
+            Some(Some(seg)) if !seg.expandable => self.is_fully_free(seg),
             _ => false,
         }
     }

@@ -2,8 +2,8 @@
 //! meanings, and gpupool's own keys (`strategy`, `release_threshold`, ...).
 //!
 //! A `PYTORCH_CUDA_ALLOC_CONF` value can be pasted as is. Keys, in the order `entries` lists them:
-//! - `strategy`: `pytorch` (the default), `bfc`, `arena`, `eager`, `expandable`, `direct`,
-//!   `default`; the presets of [`Rules`] plus the pool's growth and release behaviour.
+//! - `strategy`: `pytorch`, `bfc`, `arena`, `eager`, `expandable`, `direct`,
+//!   `default` (the default); the presets of [`Rules`] plus the pool's growth and release behaviour.
 //! - `backend`: `native`, or `cudaMallocAsync`: no pooling in gpupool (`direct`); on CUDA the
 //!   segments come from the driver's own stream-ordered pool.
 //! - `max_split_size_mb` (>= 20), `max_non_split_rounding_mb` (>= 20),
@@ -70,7 +70,6 @@ impl CrossStreamReuse {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Strategy {
     /// PyTorch's native caching allocator.
-    #[default]
     Pytorch,
     /// TensorFlow's best-fit-with-coalescing allocator, growing by doubling regions.
     Bfc,
@@ -82,7 +81,9 @@ pub enum Strategy {
     Expandable,
     /// No pooling: every allocation is a segment of its own, released on free.
     Direct,
-    /// gpupool's own choice.
+    /// gpupool's own choice: one address range for all sizes, mapped page by page and reused
+    /// (see BENCHMARKS.md for the measurements behind it).
+    #[default]
     Default,
 }
 
@@ -129,7 +130,7 @@ impl Backend {
 }
 
 /// The effective settings of a pool.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     pub strategy: Strategy,
     pub rules: Rules,
@@ -146,6 +147,13 @@ pub struct Config {
     /// Bytes to obtain when the pool is made (0: none).
     pub initial_pool_size: u64,
     pub release_lock_on_cudamalloc: bool,
+}
+
+/// The `default` strategy with no other key set: what `Config::parse("")` gives.
+impl Default for Config {
+    fn default() -> Self {
+        parse::Keys::default().build().expect("the default configuration is valid")
+    }
 }
 
 const MIB: u64 = 1 << 20;

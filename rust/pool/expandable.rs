@@ -7,13 +7,15 @@
 //! release watermark. Physical use is then the pages that live blocks touch, not the address
 //! space that fragmentation spreads them over.
 
-use crate::core::{Heap, PoolKind, SegmentId};
+use crate::core::{Heap, Metric, PoolKind, SegmentId, StatType, SHARED};
 use crate::device::{Device, DeviceError};
 
 /// One reserved range and which of its pages are mapped.
 #[derive(Debug)]
 struct Range {
     segment: SegmentId,
+    /// How far one map call reaches into free space: PyTorch's segment size for the kind.
+    map_ahead: u64,
     base: u64,
     kind: PoolKind,
     /// One bit per page.
@@ -57,19 +59,30 @@ impl Range {
     }
 }
 
+/// How far one map call reaches when an allocation grows into unmapped space: PyTorch's segment
+/// sizes, which its expandable segments also map at a time (20 MiB large, 2 MiB small).
+const MAP_AHEAD: u64 = 20 << 20;
+const SMALL_MAP_AHEAD: u64 = 2 << 20;
+
 #[derive(Debug)]
 pub struct Expandable {
     page_size: u64,
     ranges: Vec<Range>,
+    /// Map (true) and unmap calls as (address, size), kept only while history is recorded.
+    calls: Option<Vec<(bool, u64, u64)>>,
 }
 
 impl Expandable {
     pub fn new(page_size: u64) -> Self {
-        Expandable { page_size, ranges: Vec::new() }
+        Expandable { page_size, ranges: Vec::new(), calls: None }
     }
 
-    fn range_of(&mut self, segment: SegmentId) -> Option<&mut Range> {
-        self.ranges.iter_mut().find(|r| r.segment == segment)
+    pub fn log_calls(&mut self, on: bool) {
+        self.calls = on.then(Vec::new);
+    }
+
+    pub fn take_calls(&mut self) -> Vec<(bool, u64, u64)> {
+        self.calls.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub fn is_range(&self, address: u64) -> bool {
@@ -92,11 +105,16 @@ impl Expandable {
         let base = device.reserve(size)?;
         let segment = heap.add_expandable_segment(base, size, kind, stream);
         let pages = size / self.page_size;
-        self.ranges.push(Range { segment, base, kind, mapped: vec![0; pages.div_ceil(64) as usize] });
+        let map_ahead = if kind == PoolKind::Small { SMALL_MAP_AHEAD } else { MAP_AHEAD };
+        self.ranges.push(Range { segment, base, kind, map_ahead, mapped: vec![0; pages.div_ceil(64) as usize] });
         Ok(segment)
     }
 
-    /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet.
+    /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet. When
+    /// the last page needs mapping, the call maps ahead up to the range's `map_ahead` into the free
+    /// space that follows (up to `free_end`), so growing allocations cost few map calls; if the
+    /// device refuses that much, exactly what is needed is mapped.
+    #[allow(clippy::too_many_arguments)]
     pub fn ensure_mapped<D: Device>(
         &mut self,
         device: &mut D,
@@ -104,17 +122,53 @@ impl Expandable {
         segment: SegmentId,
         address: u64,
         len: u64,
+        free_end: u64,
+        limit: Option<u64>,
     ) -> Result<(), DeviceError> {
         let page_size = self.page_size;
-        let Some(range) = self.range_of(segment) else { return Ok(()) };
+        let Some(range) = self.ranges.iter_mut().find(|r| r.segment == segment) else { return Ok(()) };
         let first = (address - range.base) / page_size;
         let end = (address + len - range.base).div_ceil(page_size);
+        let ahead_end = ((free_end - range.base) / page_size).max(end);
         for run in range.runs(first..end, false) {
-            device.map(range.base + run.start * page_size, (run.end - run.start) * page_size)?;
-            range.set(run.clone(), true);
-            heap.note_mapped(segment, (run.end - run.start) * page_size, true);
-            heap.stats_mut().num_device_map += 1;
+            let wanted_end = (run.start + range.map_ahead / page_size).clamp(run.end, ahead_end);
+            let ahead = if run.end == end { range.runs(run.end..wanted_end, false).first().cloned() } else { None };
+            let extended = match ahead {
+                Some(more) if more.start == run.end => run.start..more.end,
+                _ => run.clone(),
+            };
+            let done = match Self::map_run(device, heap, range, segment, extended.clone(), page_size, limit) {
+                Err(DeviceError::OutOfMemory { .. }) if extended != run => {
+                    Self::map_run(device, heap, range, segment, run.clone(), page_size, limit).map(|_| run)?
+                }
+                other => other.map(|_| extended)?,
+            };
+            if let Some(calls) = self.calls.as_mut() {
+                calls.push((true, range.base + done.start * page_size, (done.end - done.start) * page_size));
+            }
         }
+        Ok(())
+    }
+
+    fn map_run<D: Device>(
+        device: &mut D,
+        heap: &mut Heap,
+        range: &mut Range,
+        segment: SegmentId,
+        run: std::ops::Range<u64>,
+        page_size: u64,
+        limit: Option<u64>,
+    ) -> Result<(), DeviceError> {
+        let bytes = (run.end - run.start) * page_size;
+        // The pool's own limit (a memory fraction) refuses like the device would.
+        let reserved = heap.stats().get(Metric::ReservedBytes, StatType::All).current;
+        if limit.is_some_and(|limit| reserved + bytes > limit) {
+            return Err(DeviceError::OutOfMemory { requested: bytes });
+        }
+        device.map(range.base + run.start * page_size, bytes)?;
+        range.set(run, true);
+        heap.note_mapped(segment, bytes, true);
+        heap.stats_mut().num_device_map += 1;
         Ok(())
     }
 
@@ -123,7 +177,15 @@ impl Expandable {
         let page_size = self.page_size;
         let mut released = 0;
         for range in &mut self.ranges {
-            for (address, size) in heap.free_ranges(range.segment) {
+            // Adjacent free blocks of different owners still free the pages they share.
+            let mut free: Vec<(u64, u64)> = Vec::new();
+            for (_, b) in heap.free_blocks(range.segment) {
+                match free.last_mut() {
+                    Some((address, size)) if *address + *size == b.address => *size += b.size,
+                    _ => free.push((b.address, b.size)),
+                }
+            }
+            for (address, size) in free {
                 let first = (address - range.base).div_ceil(page_size);
                 let end = (address + size - range.base) / page_size;
                 if first >= end {
@@ -132,6 +194,9 @@ impl Expandable {
                 for run in range.runs(first..end, true) {
                     let bytes = (run.end - run.start) * page_size;
                     device.unmap(range.base + run.start * page_size, bytes)?;
+                    if let Some(calls) = self.calls.as_mut() {
+                        calls.push((false, range.base + run.start * page_size, bytes));
+                    }
                     range.set(run, false);
                     heap.note_mapped(range.segment, bytes, false);
                     heap.stats_mut().num_device_unmap += 1;
@@ -140,6 +205,27 @@ impl Expandable {
             }
         }
         Ok(released)
+    }
+
+    /// Under memory pressure: the free block for `rounded` bytes on `stream` whose placement
+    /// needs the fewest pages mapped, typically a hole whose edge pages live neighbours keep
+    /// mapped. Scans every free block of the kind's ranges; only the out-of-memory path calls it.
+    pub fn least_mapping_fit(&self, heap: &Heap, rounded: u64, kind: PoolKind, stream: u32) -> Option<u32> {
+        let mut best: Option<(u64, u64, u32)> = None;
+        for range in self.ranges.iter().filter(|r| r.kind == kind) {
+            for (id, b) in heap.free_blocks(range.segment) {
+                if b.size < rounded || (b.stream != stream && b.stream != SHARED) {
+                    continue;
+                }
+                let first = (b.address - range.base) / self.page_size;
+                let end = (b.address + rounded - range.base).div_ceil(self.page_size);
+                let unmapped = (first..end).filter(|&p| !range.is_mapped(p)).count() as u64;
+                if best.is_none_or(|(u, a, _)| (unmapped, b.address) < (u, a)) {
+                    best = Some((unmapped, b.address, id));
+                }
+            }
+        }
+        best.map(|(_, _, id)| id)
     }
 
     /// Forgets the range at `address` after the heap released its (fully free, unmapped) segment.

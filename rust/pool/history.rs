@@ -16,6 +16,9 @@ pub enum HistoryAction {
     FreeCompleted,
     SegmentAlloc,
     SegmentFree,
+    /// Pages of an expandable range were mapped or unmapped.
+    SegmentMap,
+    SegmentUnmap,
     /// An allocation failed for good; `address` holds the device's free bytes instead.
     Oom,
 }
@@ -28,6 +31,8 @@ impl HistoryAction {
             HistoryAction::FreeCompleted => "free_completed",
             HistoryAction::SegmentAlloc => "segment_alloc",
             HistoryAction::SegmentFree => "segment_free",
+            HistoryAction::SegmentMap => "segment_map",
+            HistoryAction::SegmentUnmap => "segment_unmap",
             HistoryAction::Oom => "oom",
         }
     }
@@ -124,6 +129,18 @@ impl<D: Device> Pool<D> {
             (Some(max), None) => self.history = Some(History::new(max)),
             (None, _) => self.history = None,
         }
+        if let Some(pages) = self.expandable.as_mut() {
+            pages.log_calls(self.history.is_some());
+        }
+    }
+
+    /// Records the page maps and unmaps made since the last call (only kept while recording).
+    pub(super) fn note_page_calls(&mut self, stream: u32) {
+        let Some(calls) = self.expandable.as_mut().map(|pages| pages.take_calls()) else { return };
+        for (mapped, address, size) in calls {
+            let action = if mapped { HistoryAction::SegmentMap } else { HistoryAction::SegmentUnmap };
+            self.note(action, address, size, stream);
+        }
     }
 
     /// The record, brought up to date with frees that completed since the last event.
@@ -173,7 +190,7 @@ mod tests {
 
     #[test]
     fn a_free_waiting_for_another_stream_completes_when_its_block_does() {
-        let mut pool = Pool::new(Sim::new(1 << 30), Config::default());
+        let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:pytorch").unwrap());
         pool.record_history(Some(100));
         let side = pool.create_stream().unwrap();
         let a = pool.alloc(4096).unwrap();

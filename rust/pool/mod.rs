@@ -45,7 +45,10 @@ pub struct Pool<D: Device> {
 
 impl<D: Device> Pool<D> {
     pub fn new(device: D, config: Config) -> Self {
-        let heap = Heap::new(config.rules.clone());
+        let mut heap = Heap::new(config.rules.clone());
+        if config.cross_stream_reuse == CrossStreamReuse::Never {
+            heap.keep_shared_apart();
+        }
         let expandable = config.page_size.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
         let mut pool = Pool { device, heap, deferred: Deferred::default(), config, history: None, expandable, growth };
@@ -139,9 +142,19 @@ impl<D: Device> Pool<D> {
     /// Allocates free block `id`, first mapping its pages if it lies in an expandable segment.
     fn take_found(&mut self, id: u32, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         if let Some(pages) = self.expandable.as_mut() {
-            let (address, segment) = (self.heap.block_at(id).address, self.heap.segment_of(id));
+            let (block, segment) = (self.heap.block_at(id), self.heap.segment_of(id));
+            let (address, free_end) = (block.address, block.end());
             let rounded = self.heap.rules().round(size);
-            pages.ensure_mapped(&mut self.device, &mut self.heap, segment, address, rounded)?;
+            pages.ensure_mapped(
+                &mut self.device,
+                &mut self.heap,
+                segment,
+                address,
+                rounded,
+                free_end,
+                self.growth.limit,
+            )?;
+            self.note_page_calls(stream);
         }
         let handle = self.heap.take_block(id, size, stream);
         Ok(self.allocation(handle, size))
@@ -182,16 +195,33 @@ impl<D: Device> Pool<D> {
         self.synchronize()?;
         self.release_cached()?;
         self.heap.stats_mut().num_alloc_retries += 1;
-        match self.try_cached(size, stream).and_then(|cached| match cached {
+        let retried = self.try_cached(size, stream).and_then(|cached| match cached {
             Some(a) => Ok(a),
             None => self.grow(size, stream),
-        }) {
+        });
+        let retried = match retried {
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => self.take_least_mapping(size, stream),
+            other => other,
+        };
+        match retried {
             Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {
                 self.heap.stats_mut().num_ooms += 1;
                 self.note(HistoryAction::Oom, self.device.memory_info().free().unwrap_or(0), size, stream);
                 Err(PoolError::OutOfMemory(Box::new(self.oom_report(size))))
             }
             done => done,
+        }
+    }
+
+    /// Expandable ranges' last resort: place the block where it needs the fewest new pages.
+    fn take_least_mapping(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
+        let rules = self.heap.rules();
+        let (rounded, oom) = (rules.round(size), PoolError::Device(DeviceError::OutOfMemory { requested: size }));
+        let kind = rules.kind(rounded);
+        let fit = self.expandable.as_ref().and_then(|pages| pages.least_mapping_fit(&self.heap, rounded, kind, stream));
+        match fit {
+            Some(id) => self.take_found(id, size, stream),
+            None => Err(oom),
         }
     }
 
@@ -277,6 +307,7 @@ impl<D: Device> Pool<D> {
             Some(pages) => pages.unmap_free_pages(&mut self.device, &mut self.heap)?,
             None => 0,
         };
+        self.note_page_calls(DEFAULT_STREAM);
         for (address, size) in self.heap.release_free_segments() {
             if let Some(pages) = self.expandable.as_mut().filter(|p| p.is_range(address)) {
                 pages.forget(address);

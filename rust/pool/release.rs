@@ -14,6 +14,15 @@ impl<D: Device> Pool<D> {
     /// oldest first. O(1) unless there is something to release.
     pub(super) fn after_free(&mut self, segment: SegmentId) -> Result<(), PoolError> {
         let Some(threshold) = self.config.release_threshold else { return Ok(()) };
+        if self.expandable.is_some() {
+            // Expandable ranges give back pages, not segments.
+            let over = self.over_watermark(threshold);
+            if let Some(pages) = self.expandable.as_mut().filter(|_| over) {
+                pages.unmap_free_pages(&mut self.device, &mut self.heap)?;
+            }
+            self.note_page_calls(DEFAULT_STREAM);
+            return Ok(());
+        }
         let idle = self.heap.idle_bytes();
         if idle == 0 || !self.over_watermark(threshold) {
             return Ok(());

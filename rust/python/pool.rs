@@ -322,7 +322,7 @@ impl PyPool {
             d.set_item("stream", seg.stream)?;
             d.set_item("segment_type", seg.kind.name())?;
             d.set_item("segment_pool_id", PyTuple::new(py, [0, 0])?)?;
-            d.set_item("is_expandable", false)?;
+            d.set_item("is_expandable", seg.expandable)?;
             d.set_item("frames", PyList::empty(py))?;
             d.set_item("blocks", blocks)?;
             list.append(d)?;

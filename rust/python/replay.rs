@@ -71,6 +71,17 @@ impl PyReplayResult {
         self.metrics.device_allocs
     }
 
+    /// Segment allocations and releases plus page maps and unmaps.
+    #[getter]
+    fn device_calls(&self) -> u64 {
+        self.metrics.device_calls
+    }
+
+    #[getter]
+    fn device_calls_per_1k_allocs(&self) -> f64 {
+        self.metrics.device_calls_per_1k_allocs()
+    }
+
     #[getter]
     fn ooms(&self) -> u64 {
         self.metrics.ooms

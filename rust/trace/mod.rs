@@ -115,7 +115,11 @@ impl Trace {
                 // An unknown free's allocation is older than the oldest kept entry.
                 HistoryAction::FreeRequested => _ = builder.free(e.address, stream, time_ns),
                 HistoryAction::Oom => builder.failure(e.size, stream, time_ns),
-                HistoryAction::FreeCompleted | HistoryAction::SegmentAlloc | HistoryAction::SegmentFree => {}
+                HistoryAction::FreeCompleted
+                | HistoryAction::SegmentAlloc
+                | HistoryAction::SegmentFree
+                | HistoryAction::SegmentMap
+                | HistoryAction::SegmentUnmap => {}
             }
         }
         builder.finish()
@@ -253,7 +257,7 @@ mod tests {
     /// Record a workload with history on, rebuild the trace from it, replay: same peaks.
     #[test]
     fn recorded_history_replays_to_the_same_peaks() {
-        let mut pool = Pool::new(Sim::new(256 << 20), Config::default());
+        let mut pool = Pool::new(Sim::new(256 << 20), Config::parse("strategy:pytorch").unwrap());
         pool.record_history(Some(1000));
         let mut live = Vec::new();
         for i in 0..200u64 {
@@ -276,7 +280,7 @@ mod tests {
         assert_eq!(names.len(), 6, "{names:?}");
         let trace = Trace::from_history(history);
         assert_eq!(trace.events().iter().filter(|e| e.action == Action::Failure).count(), 1);
-        let replayed = replay_sim(&trace, &Config::default(), 256 << 20).unwrap();
+        let replayed = replay_sim(&trace, &Config::parse("strategy:pytorch").unwrap(), 256 << 20).unwrap();
         let peak = |m| pool.stats().get(m, StatType::All).peak;
         assert_eq!(replayed.peak_live_bytes, peak(Metric::RequestedBytes));
         assert_eq!(replayed.peak_reserved_bytes, peak(Metric::ReservedBytes));
@@ -286,7 +290,7 @@ mod tests {
 
     #[test]
     fn a_wrapped_history_leaves_out_frees_of_forgotten_allocations() {
-        let mut pool = Pool::new(Sim::new(1 << 30), Config::default());
+        let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:pytorch").unwrap());
         pool.record_history(Some(5));
         let first = pool.alloc(4096).unwrap();
         let second = pool.alloc(4096).unwrap();
@@ -297,7 +301,7 @@ mod tests {
         let actions: Vec<Action> = trace.events().iter().map(|e| e.action).collect();
         assert_eq!(actions, [Action::Alloc, Action::Free]);
         assert_eq!(trace.events()[1].address, second.address);
-        replay(&trace, &mut Pool::new(Sim::new(1 << 30), Config::default()), None).unwrap();
+        replay(&trace, &mut Pool::new(Sim::new(1 << 30), Config::parse("strategy:pytorch").unwrap()), None).unwrap();
         pool.record_history(None);
         assert!(pool.history().is_none());
     }

@@ -16,6 +16,11 @@ pub struct Metrics {
     pub peak_reserved_bytes: u64,
     /// Segments obtained from the device.
     pub device_allocs: u64,
+    /// Every call that obtains or returns device memory: segment allocations and releases, page
+    /// maps and unmaps (each costs microseconds on a GPU).
+    pub device_calls: u64,
+    /// Allocations attempted (the unit of `device_calls_per_1k_allocs`).
+    pub allocations: u64,
     /// Allocations the pool could not serve: skipped, and their frees ignored.
     pub ooms: u64,
     pub seconds: f64,
@@ -29,6 +34,10 @@ impl Metrics {
         } else {
             self.peak_live_bytes as f64 / self.peak_reserved_bytes as f64
         }
+    }
+
+    pub fn device_calls_per_1k_allocs(&self) -> f64 {
+        1000.0 * self.device_calls as f64 / self.allocations.max(1) as f64
     }
 
     pub fn events_per_second(&self) -> f64 {
@@ -53,7 +62,7 @@ impl Timeline {
     }
 
     fn sample(&mut self, index: usize, reserved: u64, live: u64) {
-        if index % self.stride == 0 {
+        if index.is_multiple_of(self.stride) {
             self.event_index.push(index as u64);
             self.reserved_bytes.push(reserved);
             self.live_bytes.push(live);
@@ -78,18 +87,21 @@ pub fn replay<D: Device>(
         .map(|&s| if s == 0 { Ok(DEFAULT_STREAM) } else { pool.create_stream() })
         .collect::<Result<Vec<StreamId>, _>>()?;
     let mut handles: Vec<Option<Handle>> = vec![None; trace.allocations()];
-    let mut ooms = 0;
+    let (mut ooms, mut allocations) = (0, 0);
     let start = Instant::now();
     for (index, e) in trace.events().iter().enumerate() {
         match e.action {
             // A zero-byte allocation holds no memory.
             Action::Alloc if e.size == 0 => {}
-            Action::Alloc => match pool.alloc_on(e.size, streams[e.stream as usize]) {
-                Ok(a) => handles[e.slot as usize] = Some(a.handle),
-                // A request beyond any device's size fails like one beyond this device's.
-                Err(PoolError::OutOfMemory(_) | PoolError::InvalidSize(_)) => ooms += 1,
-                Err(other) => return Err(other),
-            },
+            Action::Alloc => {
+                allocations += 1;
+                match pool.alloc_on(e.size, streams[e.stream as usize]) {
+                    Ok(a) => handles[e.slot as usize] = Some(a.handle),
+                    // A request beyond any device's size fails like one beyond this device's.
+                    Err(PoolError::OutOfMemory(_) | PoolError::InvalidSize(_)) => ooms += 1,
+                    Err(other) => return Err(other),
+                }
+            }
             Action::Free => {
                 if let Some(handle) = handles[e.slot as usize].take() {
                     pool.free(handle)?;
@@ -109,6 +121,8 @@ pub fn replay<D: Device>(
         peak_live_bytes: stats.get(Metric::RequestedBytes, StatType::All).peak,
         peak_reserved_bytes: stats.get(Metric::ReservedBytes, StatType::All).peak,
         device_allocs: stats.num_device_alloc,
+        device_calls: stats.num_device_alloc + stats.num_device_free + stats.num_device_map + stats.num_device_unmap,
+        allocations,
         ooms,
         seconds,
     })
@@ -162,7 +176,7 @@ mod tests {
     fn measures_peaks_and_device_allocations() {
         let trace = small_trace();
         assert_eq!(trace.peak_live_bytes(), 20 * MIB);
-        let m = replay_sim(&trace, &Config::default(), u64::MAX).unwrap();
+        let m = replay_sim(&trace, &Config::parse("strategy:pytorch").unwrap(), u64::MAX).unwrap();
         // Both 8 MiB requests share one 20 MiB segment; the 12 MiB one needs its own.
         assert_eq!((m.peak_live_bytes, m.peak_reserved_bytes, m.device_allocs, m.ooms), (20 * MIB, 32 * MIB, 2, 0));
         assert!((m.utilization() - 20.0 / 32.0).abs() < 1e-12);
@@ -171,13 +185,13 @@ mod tests {
 
     #[test]
     fn an_oom_is_counted_and_its_free_ignored() {
-        let m = replay_sim(&small_trace(), &Config::default(), 24 * MIB).unwrap();
+        let m = replay_sim(&small_trace(), &Config::parse("strategy:pytorch").unwrap(), 24 * MIB).unwrap();
         assert_eq!((m.ooms, m.peak_reserved_bytes), (1, 20 * MIB));
     }
 
     #[test]
     fn min_capacity_fits_and_a_little_less_does_not() {
-        let (trace, config) = (small_trace(), Config::default());
+        let (trace, config) = (small_trace(), Config::parse("strategy:pytorch").unwrap());
         let min = min_capacity(&trace, &config, 0.005).unwrap();
         assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
         assert!(replay_sim(&trace, &config, min - min / 100).unwrap().ooms > 0);
@@ -187,7 +201,7 @@ mod tests {
     #[test]
     fn host_and_sim_agree() {
         let trace = small_trace();
-        let config = Config::default();
+        let config = Config::parse("strategy:pytorch").unwrap();
         let on_host = replay(&trace, &mut Pool::new(Host::new(Some(64 * MIB)), config.clone()), None).unwrap();
         let on_sim = replay_sim(&trace, &config, 64 * MIB).unwrap();
         assert_eq!(
@@ -206,16 +220,22 @@ mod tests {
         b.alloc(0x2000, 8 * MIB, 9, 2).unwrap();
         b.free(0x2000, 9, 3).unwrap();
         let trace = b.finish();
-        let never = Config::parse("cross_stream_reuse:never").unwrap();
+        let never = Config::parse("strategy:pytorch,cross_stream_reuse:never").unwrap();
         assert_eq!(replay_sim(&trace, &never, u64::MAX).unwrap().device_allocs, 2);
-        assert_eq!(replay_sim(&trace, &Config::default(), u64::MAX).unwrap().device_allocs, 1);
+        let completed = Config::parse("strategy:pytorch").unwrap();
+        assert_eq!(replay_sim(&trace, &completed, u64::MAX).unwrap().device_allocs, 1);
     }
 
     #[test]
     fn timeline_keeps_peaks_when_downsampled() {
         let trace = small_trace();
         let mut timeline = Timeline::new(trace.events().len(), 2);
-        replay(&trace, &mut Pool::new(Sim::new(u64::MAX), Config::default()), Some(&mut timeline)).unwrap();
+        replay(
+            &trace,
+            &mut Pool::new(Sim::new(u64::MAX), Config::parse("strategy:pytorch").unwrap()),
+            Some(&mut timeline),
+        )
+        .unwrap();
         assert_eq!(timeline.event_index, [0, 3]);
         assert_eq!(timeline.live_bytes, [16 * MIB, 20 * MIB]);
         assert_eq!(timeline.reserved_bytes, [20 * MIB, 32 * MIB]);

@@ -125,7 +125,7 @@ impl Cuda {
         let invalid = DeviceError::InvalidAddress(address);
         let (base, r) = self.reservations.holding(address).ok_or(invalid.clone())?;
         let end = address.checked_add(size).ok_or(invalid.clone())?;
-        if size == 0 || (address - base) % page != 0 || size % page != 0 || end > base + r.size {
+        if size == 0 || !(address - base).is_multiple_of(page) || !size.is_multiple_of(page) || end > base + r.size {
             return Err(invalid);
         }
         Ok((base, page))

@@ -122,11 +122,12 @@ impl Keys {
         let initial_mb = self.initial_pool_size_mb.unwrap_or(default_initial);
         let mut rules = match strategy {
             Strategy::Pytorch | Strategy::Expandable => Rules::pytorch(),
+            // One address range for every size: small blocks fill the edge pages of large ones.
+            Strategy::Default => Rules { small_pool: false, ..Rules::pytorch() },
             Strategy::Bfc => Rules::bfc(),
             Strategy::Arena => Rules::arena((if initial_mb > 0 { initial_mb } else { DEFAULT_ARENA_MB }) * MIB),
             Strategy::Eager => Rules::eager(),
             Strategy::Direct => Rules::direct(),
-            Strategy::Default => return Err(ConfigError("strategy 'default' is not implemented yet".into())),
         };
         if let Some(mb) = self.max_split_size_mb {
             rules.max_split_size = mb * MIB;
@@ -138,7 +139,8 @@ impl Keys {
             rules.large_segment = mb * MIB;
         }
         rules.power2_divisions = self.power2_divisions.filter(|table| table.iter().any(|&d| d > 1));
-        let page_size = (strategy == Strategy::Expandable).then(|| self.page_size_mb.unwrap_or(DEFAULT_PAGE_MB) * MIB);
+        let paged = matches!(strategy, Strategy::Expandable | Strategy::Default);
+        let page_size = paged.then(|| self.page_size_mb.unwrap_or(DEFAULT_PAGE_MB) * MIB);
         Ok(Config {
             strategy,
             rules,
@@ -162,12 +164,13 @@ impl Keys {
             implied.push(("backend:cudaMallocAsync", Strategy::Direct));
         }
         if let Some(expandable) = self.expandable_segments {
-            let wants = |s: Strategy| (s == Strategy::Expandable) == expandable;
+            // PyTorch's switch picks between its two allocators, paged or not.
+            let paged = |s: Strategy| matches!(s, Strategy::Expandable | Strategy::Default);
             let label = if expandable { "expandable_segments:True" } else { "expandable_segments:False" };
             match self.strategy {
-                Some(s) if !wants(s) => return Err(conflict(label, s)),
-                _ if expandable => implied.push((label, Strategy::Expandable)),
-                _ => {}
+                Some(s) if paged(s) != expandable => return Err(conflict(label, s)),
+                Some(_) => {}
+                None => implied.push((label, if expandable { Strategy::Expandable } else { Strategy::Pytorch })),
             }
         }
         let chosen = self.strategy.or(implied.first().map(|&(_, s)| s)).unwrap_or_default();
@@ -214,9 +217,9 @@ fn boolean(key: &str, value: &str) -> Result<bool, ConfigError> {
     }
 }
 
-/// `roundup_power2_divisions`: one count for every interval, or `[start_mb:count, ...,
-/// >:count]` where the first start also covers the intervals below it and `>` every interval
-/// after the last start named (PyTorch's reading).
+/// `roundup_power2_divisions`: one count for every interval, or a list such as
+/// `[256:1,512:2,>:8]` where the first start (in MiB) also covers the intervals below it and `>`
+/// every interval after the last start named (PyTorch's reading).
 fn divisions(value: &str) -> Result<[u32; POWER2_INTERVALS], String> {
     let count = |text: &str, zero_ok: bool| {
         text.parse::<u32>().ok().filter(|&n| n.is_power_of_two() || (zero_ok && n == 0)).ok_or_else(|| {
@@ -285,7 +288,9 @@ mod tests {
     #[test]
     fn strategies_choose_their_rules() {
         let parse = |s: &str| Config::parse(&format!("strategy:{s}")).unwrap();
-        assert_eq!(parse("pytorch"), Config::default());
+        assert_eq!(parse("default"), Config::default());
+        assert_eq!(parse("pytorch").rules, Rules::pytorch());
+        assert_eq!(parse("default").page_size, Some(2 * MIB));
         assert_eq!(parse("bfc").rules, Rules::bfc());
         let arena = parse("arena");
         assert_eq!((arena.initial_pool_size, arena.rules.growth_unit), (1024 * MIB, 1024 * MIB));
