@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{criterion_config, request_sizes, rounded, Allocator, GpuPool, OffsetAlloc, RangeAlloc, KIB, MIB};
+use common::{
+    criterion_config, request_sizes, rounded, Allocator, GpuPool, GpuPoolPytorch, OffsetAlloc, RangeAlloc, KIB, MIB,
+};
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion};
 use std::hint::black_box;
 
@@ -22,6 +24,7 @@ fn cached_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("cached_pair");
     for (size, label) in CACHED_SIZES {
         cached_pair_on::<GpuPool>(&mut group, size, label);
+        cached_pair_on::<GpuPoolPytorch>(&mut group, size, label);
         cached_pair_on::<OffsetAlloc>(&mut group, size, label);
         cached_pair_on::<RangeAlloc>(&mut group, size, label);
     }
@@ -56,6 +59,7 @@ fn pairs_among_live(c: &mut Criterion, name: &str, fragmented: bool) {
         let built = if fragmented { live + live / (HOLE_EVERY - 1) } else { live };
         let sizes = live_sizes(built);
         pairs_among_live_on::<GpuPool>(&mut group, label, &sizes, fragmented);
+        pairs_among_live_on::<GpuPoolPytorch>(&mut group, label, &sizes, fragmented);
         pairs_among_live_on::<OffsetAlloc>(&mut group, label, &sizes, fragmented);
         pairs_among_live_on::<RangeAlloc>(&mut group, label, &sizes, fragmented);
     }

@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{criterion_config, random_allocations, Allocator, GpuPool, OffsetAlloc, Program, RangeAlloc, MIB};
+use common::{
+    criterion_config, random_allocations, Allocator, GpuPool, GpuPoolPytorch, OffsetAlloc, Program, RangeAlloc, MIB,
+};
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
 
 /// RMM's values of `n`; of its maximum sizes (1 to 4096 MiB) the small, middle and large ones.
@@ -27,6 +29,7 @@ fn random_allocations_bench(c: &mut Criterion) {
             group.throughput(Throughput::Elements(program.ops.len() as u64));
             let label = format!("n={n},max={max_mib}MiB");
             replay_on::<GpuPool>(&mut group, &label, &program);
+            replay_on::<GpuPoolPytorch>(&mut group, &label, &program);
             replay_on::<OffsetAlloc>(&mut group, &label, &program);
             replay_on::<RangeAlloc>(&mut group, &label, &program);
         }

@@ -154,27 +154,38 @@ pub trait Allocator {
     fn free(&mut self, handle: Self::Handle);
 }
 
-/// gpupool's pool on the `sim` device: the full public path (validation, rounding, bins, stats).
+/// gpupool's pool on the `sim` device: the full public path (validation, rounding, bins, stats),
+/// with the default strategy (paged address ranges).
 pub struct GpuPool(Pool<Sim>);
 
-impl Allocator for GpuPool {
-    type Handle = Handle;
-    const NAME: &'static str = "gpupool";
+/// The same pool with `strategy:pytorch` (PyTorch's plain segments).
+pub struct GpuPoolPytorch(Pool<Sim>);
 
-    fn with_capacity(_peak_bytes: u64, _largest: u64, _max_blocks: usize) -> Self {
-        GpuPool(Pool::new(Sim::new(SIM_CAPACITY), Config::default()))
-    }
+macro_rules! pool_allocator {
+    ($type:ident, $name:literal, $config:literal) => {
+        impl Allocator for $type {
+            type Handle = Handle;
+            const NAME: &'static str = $name;
 
-    #[inline]
-    fn alloc(&mut self, size: u64) -> Handle {
-        self.0.alloc(size).expect("sim never runs out").handle
-    }
+            fn with_capacity(_peak_bytes: u64, _largest: u64, _max_blocks: usize) -> Self {
+                $type(Pool::new(Sim::new(SIM_CAPACITY), Config::parse($config).expect("valid config")))
+            }
 
-    #[inline]
-    fn free(&mut self, handle: Handle) {
-        self.0.free(handle).expect("handle is live")
-    }
+            #[inline]
+            fn alloc(&mut self, size: u64) -> Handle {
+                self.0.alloc(size).expect("sim never runs out").handle
+            }
+
+            #[inline]
+            fn free(&mut self, handle: Handle) {
+                self.0.free(handle).expect("handle is live")
+            }
+        }
+    };
 }
+
+pool_allocator!(GpuPool, "gpupool", "strategy:default");
+pool_allocator!(GpuPoolPytorch, "gpupool-pytorch", "strategy:pytorch");
 
 /// Room for fragmentation: twice the peak plus the largest request, and a floor.
 fn arena_bytes(peak_bytes: u64, largest: u64) -> u64 {

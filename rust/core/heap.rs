@@ -325,6 +325,11 @@ impl Heap {
 
     /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign`]) to `stream`.
     pub fn take_block(&mut self, id: u32, requested: u64, stream: u32) -> Handle {
+        self.take_block_at(id, requested, stream).0
+    }
+
+    /// [`Heap::take_block`], also returning the block's address (saving callers a lookup).
+    pub fn take_block_at(&mut self, id: u32, requested: u64, stream: u32) -> (Handle, u64) {
         let rounded = self.rules.round(requested);
         self.bin_remove(id);
         self.uncount_inactive(id);
@@ -345,13 +350,13 @@ impl Heap {
         block.requested = requested;
         block.stream = stream;
         block.uses = 0;
-        let (size, generation) = (block.size, block.generation);
+        let (size, generation, address) = (block.size, block.generation, block.address);
         self.stats.increase(Metric::Allocation, kind, 1);
         self.stats.increase(Metric::Active, kind, 1);
         self.stats.increase(Metric::AllocatedBytes, kind, size);
         self.stats.increase(Metric::ActiveBytes, kind, size);
         self.stats.increase(Metric::RequestedBytes, kind, requested);
-        Handle { index: id, generation }
+        (Handle { index: id, generation }, address)
     }
 
     /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.

@@ -100,7 +100,9 @@ impl Expandable {
         rounded: u64,
     ) -> Result<SegmentId, DeviceError> {
         let capacity = device.memory_info().total.unwrap_or(1 << 40);
-        let wanted = capacity.saturating_mul(2).max(rounded.saturating_mul(2)).min(1 << 46);
+        // Twice the capacity, at most 1 TiB unless one request needs more (the page map costs a
+        // bit per page of it).
+        let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded.saturating_mul(2));
         let size = wanted.div_ceil(self.page_size) * self.page_size;
         let base = device.reserve(size)?;
         let segment = heap.add_expandable_segment(base, size, kind, stream);
@@ -110,7 +112,8 @@ impl Expandable {
         Ok(segment)
     }
 
-    /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet. When
+    /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet; says
+    /// whether it had to (the device was called). When
     /// the last page needs mapping, the call maps ahead up to the range's `map_ahead` into the free
     /// space that follows (up to `free_end`), so growing allocations cost few map calls; if the
     /// device refuses that much, exactly what is needed is mapped.
@@ -124,11 +127,15 @@ impl Expandable {
         len: u64,
         free_end: u64,
         limit: Option<u64>,
-    ) -> Result<(), DeviceError> {
+    ) -> Result<bool, DeviceError> {
         let page_size = self.page_size;
-        let Some(range) = self.ranges.iter_mut().find(|r| r.segment == segment) else { return Ok(()) };
+        let Some(range) = self.ranges.iter_mut().find(|r| r.segment == segment) else { return Ok(false) };
         let first = (address - range.base) / page_size;
         let end = (address + len - range.base).div_ceil(page_size);
+        // The common case, a block on pages already mapped: no call and no allocation.
+        if (first..end).all(|page| range.is_mapped(page)) {
+            return Ok(false);
+        }
         let ahead_end = ((free_end - range.base) / page_size).max(end);
         for run in range.runs(first..end, false) {
             let wanted_end = (run.start + range.map_ahead / page_size).clamp(run.end, ahead_end);
@@ -147,7 +154,7 @@ impl Expandable {
                 calls.push((true, range.base + done.start * page_size, (done.end - done.start) * page_size));
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     fn map_run<D: Device>(

@@ -88,8 +88,7 @@ impl<D: Device> Pool<D> {
     }
 
     /// Every successful allocation passes here.
-    fn allocation(&mut self, handle: Handle, size: u64) -> Allocation {
-        let (address, stream) = self.heap.block(handle).map(|b| (b.address, b.stream)).unwrap_or_default();
+    fn allocation(&mut self, handle: Handle, address: u64, size: u64, stream: StreamId) -> Allocation {
         self.note(HistoryAction::Alloc, address, size, stream);
         Allocation { handle, address, size }
     }
@@ -145,7 +144,7 @@ impl<D: Device> Pool<D> {
             let (block, segment) = (self.heap.block_at(id), self.heap.segment_of(id));
             let (address, free_end) = (block.address, block.end());
             let rounded = self.heap.rules().round(size);
-            pages.ensure_mapped(
+            let mapped = pages.ensure_mapped(
                 &mut self.device,
                 &mut self.heap,
                 segment,
@@ -154,10 +153,12 @@ impl<D: Device> Pool<D> {
                 free_end,
                 self.growth.limit,
             )?;
-            self.note_page_calls(stream);
+            if mapped {
+                self.note_page_calls(stream);
+            }
         }
-        let handle = self.heap.take_block(id, size, stream);
-        Ok(self.allocation(handle, size))
+        let (handle, address) = self.heap.take_block_at(id, size, stream);
+        Ok(self.allocation(handle, address, size, stream))
     }
 
     /// Orders `stream`'s later work after everything queued on `owner` so far.
@@ -243,7 +244,8 @@ impl<D: Device> Pool<D> {
         self.note(HistoryAction::SegmentAlloc, address, segment_size, stream);
         let segment = self.heap.add_segment(address, segment_size, kind, stream);
         let handle = self.heap.take_segment(segment, size, stream);
-        Ok(self.allocation(handle, size))
+        let address = self.heap.block_at(handle.index).address;
+        Ok(self.allocation(handle, address, size, stream))
     }
 
     pub fn oom_report(&self, requested: u64) -> OomReport {

@@ -1,0 +1,79 @@
+"""Paged strategies (`expandable`, `default`): pages are really mapped and really given back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import gpupool
+from pool_checks import MiB
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * PAGE
+
+
+def touch(ptr) -> None:
+    """Writes every page, so the OS has to back it."""
+    ptr.copy_from_host(b"\x01" * ptr.size)
+
+
+@pytest.mark.parametrize("strategy", ["expandable", "default"])
+def test_resident_memory_falls_once_frees_cross_the_watermark(strategy):
+    pool = gpupool.Pool("host", config=f"strategy:{strategy},release_threshold:0.5")
+    ptrs = [pool.alloc(16 * MiB) for _ in range(8)]
+    for p in ptrs:
+        touch(p)
+    before = resident_bytes()
+    # 3 of 8 freed: below the watermark, the pages stay mapped for reuse.
+    for p in ptrs[:3]:
+        p.free()
+    assert resident_bytes() > before - 16 * MiB
+    assert pool.memory_stats()["num_device_unmap"] == 0
+    # By the 5th free, free memory crosses half of reserved: free pages go back to the OS.
+    for p in ptrs[3:5]:
+        p.free()
+    assert pool.memory_stats()["num_device_unmap"] >= 1
+    assert resident_bytes() <= before - 64 * MiB
+    assert pool.memory_reserved() <= 3 * 16 * MiB + 2 * 20 * MiB
+    pool.check_invariants()
+
+
+def test_without_a_watermark_pages_stay_mapped_until_empty_cache():
+    pool = gpupool.Pool("host", config="strategy:default")
+    ptr = pool.alloc(64 * MiB)
+    touch(ptr)
+    reserved = pool.memory_reserved()
+    ptr.free()
+    assert pool.memory_reserved() == reserved, "mapped pages are kept for reuse"
+    before = resident_bytes()
+    pool.empty_cache()
+    assert pool.memory_reserved() == 0 and pool.device_memory_held() == 0
+    assert resident_bytes() < before - 48 * MiB
+
+
+def test_a_hole_costs_no_memory_once_unmapped():
+    # Free every other 8 MiB block: 32 MiB of holes that no 24 MiB request fits into. Plain
+    # segments would need 24 MiB more; pages move to where they are needed instead.
+    pool = gpupool.Pool("sim", capacity="72MiB", config="strategy:default")
+    ptrs = [pool.alloc(8 * MiB) for _ in range(8)]
+    for p in ptrs[::2]:
+        p.free()
+    big = pool.alloc(24 * MiB)
+    assert pool.memory_stats()["num_alloc_retries"] == 1
+    assert pool.memory_reserved() <= 72 * MiB
+    pool.check_invariants()
+    big.free()
+
+
+def test_snapshot_marks_paged_segments_and_the_default_is_paged():
+    pool = gpupool.Pool("sim", capacity="1GiB")
+    assert pool.config["strategy"] == "default"
+    pool.alloc(1000)
+    [segment] = pool.snapshot()["segments"]
+    assert segment["is_expandable"] is True
+    assert pool.memory_reserved() == 20 * MiB, "one map call reaches 20 MiB ahead"
