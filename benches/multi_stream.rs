@@ -9,6 +9,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 const STREAMS: usize = 4;
+/// Allocations live at once in the free benchmark (about 1 GiB of the sizes below).
+const BATCH: usize = 1024;
 const SIZES: [u64; 8] = [512, 4096, 65536, 1 << 20, 3 << 20, 512, 8192, 2 << 20];
 
 fn pool_with_streams() -> (Pool<Sim>, Vec<u32>) {
@@ -49,23 +51,29 @@ fn frees(c: &mut Criterion) {
     for (name, with_use) in [("plain", false), ("record_stream", true)] {
         let (mut pool, streams) = pool_with_streams();
         group.bench_function(BenchmarkId::new("free", name), |b| {
-            // Allocate a batch untimed, then time freeing it.
+            // Allocate batches untimed, then time freeing them; batches bound the live memory.
             b.iter_custom(|iters| {
-                let handles: Vec<_> = (0..iters as usize)
-                    .map(|i| {
-                        let a = pool.alloc_on(SIZES[i % SIZES.len()], streams[i % STREAMS]).unwrap();
-                        if with_use {
-                            pool.record_stream(a.handle, streams[(i + 1) % STREAMS]).unwrap();
-                        }
-                        a.handle
-                    })
-                    .collect();
-                let start = Instant::now();
-                for handle in handles {
-                    pool.free(black_box(handle)).unwrap();
+                let mut elapsed = Duration::ZERO;
+                let mut left = iters as usize;
+                while left > 0 {
+                    let batch = left.min(BATCH);
+                    left -= batch;
+                    let handles: Vec<_> = (0..batch)
+                        .map(|i| {
+                            let a = pool.alloc_on(SIZES[i % SIZES.len()], streams[i % STREAMS]).unwrap();
+                            if with_use {
+                                pool.record_stream(a.handle, streams[(i + 1) % STREAMS]).unwrap();
+                            }
+                            a.handle
+                        })
+                        .collect();
+                    let start = Instant::now();
+                    for handle in handles {
+                        pool.free(black_box(handle)).unwrap();
+                    }
+                    elapsed += start.elapsed();
+                    pool.synchronize().unwrap();
                 }
-                let elapsed = start.elapsed();
-                pool.synchronize().unwrap();
                 elapsed
             })
         });

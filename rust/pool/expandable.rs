@@ -27,6 +27,21 @@ impl Range {
         self.mapped[(page / 64) as usize] & (1 << (page % 64)) != 0
     }
 
+    /// Whether every page in `pages` is mapped, a 64-page word at a time.
+    fn all_mapped(&self, pages: std::ops::Range<u64>) -> bool {
+        let mut page = pages.start;
+        while page < pages.end {
+            let (word, bit) = ((page / 64) as usize, page % 64);
+            let span = (64 - bit).min(pages.end - page);
+            let mask = if span == 64 { u64::MAX } else { ((1u64 << span) - 1) << bit };
+            if self.mapped[word] & mask != mask {
+                return false;
+            }
+            page += span;
+        }
+        true
+    }
+
     fn set(&mut self, pages: std::ops::Range<u64>, on: bool) {
         for page in pages {
             let (word, bit) = ((page / 64) as usize, 1u64 << (page % 64));
@@ -133,7 +148,7 @@ impl Expandable {
         let first = (address - range.base) / page_size;
         let end = (address + len - range.base).div_ceil(page_size);
         // The common case, a block on pages already mapped: no call and no allocation.
-        if (first..end).all(|page| range.is_mapped(page)) {
+        if range.all_mapped(first..end) {
             return Ok(false);
         }
         let ahead_end = ((free_end - range.base) / page_size).max(end);
