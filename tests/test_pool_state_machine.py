@@ -140,3 +140,5 @@ for _strategy in STRATEGIES:
         _case = type(f"{_name}_{_strategy}", (_machine,), {"strategy": _strategy}).TestCase
         _case.settings = settings(max_examples=_examples, stateful_step_count=_steps)
         globals()[f"Test{_name}_{_strategy}"] = _case
+# Module-level names holding a TestCase would be collected a second time.
+del _case, _machine

@@ -36,12 +36,13 @@ class Busy:
 class StreamMachine(RuleBasedStateMachine):
     mode = "completed"
     strategy = "pytorch"
+    device = "sim"
     allocations = Bundle("allocations")
 
     def __init__(self) -> None:
         super().__init__()
         config = f"strategy:{self.strategy},cross_stream_reuse:{self.mode}"
-        self.pool = gpupool.Pool("sim", capacity=160 * MiB, config=config)
+        self.pool = gpupool.Pool(self.device, capacity=160 * MiB, config=config)
         self.streams = [self.pool.default_stream] + [self.pool.stream() for _ in range(3)]
         self.busy: list[Busy] = []
 
@@ -116,13 +117,17 @@ class StreamMachine(RuleBasedStateMachine):
         assert stats["active_bytes.all.current"] - stats["allocated_bytes.all.current"] == pending
 
 
-# Examples per (mode, strategy): all of them together cost about what the three modes did alone.
+# Examples per (mode, strategy, device): all of them together stay within about a minute.
 for _mode in MODES:
     for _strategy in STRATEGIES:
-        _attributes = {"mode": _mode, "strategy": _strategy}
-        _case = type(f"StreamMachine_{_mode}_{_strategy}", (StreamMachine,), _attributes).TestCase
-        _case.settings = settings(max_examples=30, stateful_step_count=50)
-        globals()[f"TestStreams_{_mode}_{_strategy}"] = _case
+        for _device, _examples in (("sim", 30), ("host", 10)):
+            _attributes = {"mode": _mode, "strategy": _strategy, "device": _device}
+            _name = f"{_mode}_{_strategy}_{_device}"
+            _case = type(f"StreamMachine_{_name}", (StreamMachine,), _attributes).TestCase
+            _case.settings = settings(max_examples=_examples, stateful_step_count=50)
+            globals()[f"TestStreams_{_name}"] = _case
+# Module-level names holding a TestCase would be collected a second time.
+del _case
 
 
 @pytest.fixture

@@ -73,8 +73,10 @@ impl Device for Host {
         Ok(ptr as u64)
     }
 
+    /// Like `cudaFree`, returning memory first waits for all queued work.
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
         let layout = self.live.remove(&address).ok_or(DeviceError::InvalidAddress(address))?;
+        self.streams.synchronize_all();
         // SAFETY: `address` came from `alloc::alloc(layout)` and was removed from `live`, so it
         // is deallocated exactly once.
         #[allow(unsafe_code)]

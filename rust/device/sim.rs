@@ -77,8 +77,10 @@ impl Device for Sim {
         Ok(())
     }
 
+    /// Like `cudaFree`, returning memory first waits for all queued work.
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
         let size = self.live.remove(&address).ok_or(DeviceError::InvalidAddress(address))?;
+        self.streams.synchronize_all();
         self.held -= size;
         Ok(())
     }

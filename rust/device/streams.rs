@@ -159,6 +159,15 @@ impl SimStreams {
         Ok(())
     }
 
+    /// Completes all work on every stream: what `cudaFree` does before returning memory.
+    pub fn synchronize_all(&mut self) {
+        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
+        for s in streams {
+            // Every id here exists, so this cannot fail.
+            let _ = self.synchronize_stream(s);
+        }
+    }
+
     pub fn stream_wait_event(&mut self, s: StreamId, e: EventId) -> Result<(), DeviceError> {
         let completed = self.is_done(e) || self.event(e)?.completed;
         let state = self.stream(s)?;

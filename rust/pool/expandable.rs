@@ -194,17 +194,31 @@ impl Expandable {
         Ok(())
     }
 
-    /// Unmaps every mapped page that lies wholly inside a free block; returns the bytes freed.
-    pub fn unmap_free_pages<D: Device>(&mut self, device: &mut D, heap: &mut Heap) -> Result<u64, DeviceError> {
+    /// Unmaps every mapped page that lies wholly inside free space; returns the bytes freed.
+    /// Space a stream freed while busy may still be in use by its queued work: with `wait` the
+    /// stream is synchronized first (as `cudaFree` would), else that space stays mapped.
+    pub fn unmap_free_pages<D: Device>(
+        &mut self,
+        device: &mut D,
+        heap: &mut Heap,
+        wait: bool,
+    ) -> Result<u64, DeviceError> {
         let page_size = self.page_size;
         let mut released = 0;
         for range in &mut self.ranges {
-            // Adjacent free blocks of different owners still free the pages they share.
+            // Adjacent free blocks of different owners still free the pages they share. A block
+            // its stream freed while busy may still be in use by queued work: it stays mapped.
             let mut free: Vec<(u64, u64)> = Vec::new();
-            for (_, b) in heap.free_blocks(range.segment) {
+            let mut idle: Vec<(u32, bool)> = Vec::new();
+            let candidates: Vec<(u64, u64, u32)> =
+                heap.free_blocks(range.segment).map(|(_, b)| (b.address, b.size, b.stream)).collect();
+            for (address, size, owner) in candidates {
+                if owner != SHARED && !Self::stream_idle(device, &mut idle, owner, wait)? {
+                    continue;
+                }
                 match free.last_mut() {
-                    Some((address, size)) if *address + *size == b.address => *size += b.size,
-                    _ => free.push((b.address, b.size)),
+                    Some((start, len)) if *start + *len == address => *len += size,
+                    _ => free.push((address, size)),
                 }
             }
             for (address, size) in free {
@@ -248,6 +262,26 @@ impl Expandable {
             }
         }
         best.map(|(_, _, id)| id)
+    }
+
+    /// Whether `stream` has no queued work (after waiting for it, with `wait`), asking the
+    /// device once per stream per reclaim. A destroyed stream was synchronized first.
+    fn stream_idle<D: Device>(
+        device: &mut D,
+        known: &mut Vec<(u32, bool)>,
+        stream: u32,
+        wait: bool,
+    ) -> Result<bool, DeviceError> {
+        if let Some(&(_, idle)) = known.iter().find(|(s, _)| *s == stream) {
+            return Ok(idle);
+        }
+        let idle = match device.query_stream(stream) {
+            Err(DeviceError::InvalidStream(_)) => true,
+            Ok(false) if wait => device.synchronize_stream(stream).map(|_| true)?,
+            other => other?,
+        };
+        known.push((stream, idle));
+        Ok(idle)
     }
 
     /// Forgets the range at `address` after the heap released its (fully free, unmapped) segment.

@@ -306,7 +306,7 @@ impl<D: Device> Pool<D> {
     /// free segment (or range). Returns the bytes that stop being reserved.
     fn release_cached(&mut self) -> Result<u64, PoolError> {
         let mut bytes = match self.expandable.as_mut() {
-            Some(pages) => pages.unmap_free_pages(&mut self.device, &mut self.heap)?,
+            Some(pages) => pages.unmap_free_pages(&mut self.device, &mut self.heap, true)?,
             None => 0,
         };
         self.note_page_calls(DEFAULT_STREAM);

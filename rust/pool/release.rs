@@ -18,7 +18,7 @@ impl<D: Device> Pool<D> {
             // Expandable ranges give back pages, not segments.
             let over = self.over_watermark(threshold);
             if let Some(pages) = self.expandable.as_mut().filter(|_| over) {
-                pages.unmap_free_pages(&mut self.device, &mut self.heap)?;
+                pages.unmap_free_pages(&mut self.device, &mut self.heap, false)?;
             }
             self.note_page_calls(DEFAULT_STREAM);
             return Ok(());
