@@ -17,7 +17,10 @@ test: install
 	cargo test --release --features cuda
 	$(PY) -m pytest -q
 
-lint:
+lint: install
+	$(PY) -m pip install -q ruff
+	$(PY) -m ruff check python tests benches
+	$(PY) -m ruff format --check python tests benches
 	cargo fmt --check
 	cargo clippy --all-targets --features cuda -- -D warnings
 	cargo clippy --lib --features python,cuda -- -D warnings

@@ -69,9 +69,7 @@ def _table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("host", "sim"), default="host")
-    parser.add_argument(
-        "--capacity", help=f"device size, e.g. 16GiB (sim default: {DEFAULT_SIM_CAPACITY})"
-    )
+    parser.add_argument("--capacity", help=f"device size, e.g. 16GiB (sim default: {DEFAULT_SIM_CAPACITY})")
     parser.add_argument("--size", type=int, default=4096, help="bytes per allocation")
     parser.add_argument("--iterations", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=7)

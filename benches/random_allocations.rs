@@ -5,9 +5,9 @@
 mod common;
 
 use common::{
-    criterion_config, random_allocations, Allocator, GpuPool, GpuPoolPytorch, OffsetAlloc, Program, RangeAlloc, MIB,
+    bench_warm_replay, criterion_config, random_allocations, GpuPool, GpuPoolPytorch, OffsetAlloc, RangeAlloc, MIB,
 };
-use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 
 /// RMM's values of `n`; of its maximum sizes (1 to 4096 MiB) the small, middle and large ones.
 const COUNTS: [usize; 3] = [1_000, 10_000, 100_000];
@@ -15,8 +15,6 @@ const MAX_SIZES_MIB: [u64; 3] = [1, 64, 1024];
 /// RMM's cap on live bytes.
 const MAX_USAGE: u64 = 16_000 * MIB;
 const SEED: u64 = 0x5eed_0003;
-
-type Group<'a> = BenchmarkGroup<'a, criterion::measurement::WallTime>;
 
 fn random_allocations_bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("random_allocations");
@@ -28,22 +26,13 @@ fn random_allocations_bench(c: &mut Criterion) {
             let program = random_allocations(n, max_mib * MIB, MAX_USAGE, SEED);
             group.throughput(Throughput::Elements(program.ops.len() as u64));
             let label = format!("n={n},max={max_mib}MiB");
-            replay_on::<GpuPool>(&mut group, &label, &program);
-            replay_on::<GpuPoolPytorch>(&mut group, &label, &program);
-            replay_on::<OffsetAlloc>(&mut group, &label, &program);
-            replay_on::<RangeAlloc>(&mut group, &label, &program);
+            bench_warm_replay::<GpuPool>(&mut group, &label, &program);
+            bench_warm_replay::<GpuPoolPytorch>(&mut group, &label, &program);
+            bench_warm_replay::<OffsetAlloc>(&mut group, &label, &program);
+            bench_warm_replay::<RangeAlloc>(&mut group, &label, &program);
         }
     }
     group.finish();
-}
-
-/// Times whole replays; the allocator is made once, so gpupool's segments stay cached between
-/// replays as they would in a running program.
-fn replay_on<A: Allocator>(group: &mut Group, label: &str, program: &Program) {
-    let (largest, peak) = program.footprint();
-    let mut allocator = A::with_capacity(peak, largest, program.slots);
-    let mut handles: Vec<Option<A::Handle>> = (0..program.slots).map(|_| None).collect();
-    group.bench_function(BenchmarkId::new(A::NAME, label), |b| b.iter(|| program.replay(&mut allocator, &mut handles)));
 }
 
 criterion_group! {

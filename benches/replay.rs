@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{criterion_config, Allocator, GpuPool, OffsetAlloc, Op, Program, RangeAlloc};
+use common::{bench_warm_replay, criterion_config, GpuPool, OffsetAlloc, Op, Program, RangeAlloc};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
 use gpupool::device::Sim;
 use gpupool::pool::{Config, Pool};
@@ -53,23 +53,11 @@ fn replay_bench(c: &mut Criterion) {
             });
         }
         let program = program(&trace);
-        peer::<GpuPool>(&mut group, label, &program);
-        peer::<OffsetAlloc>(&mut group, label, &program);
-        peer::<RangeAlloc>(&mut group, label, &program);
+        bench_warm_replay::<GpuPool>(&mut group, label, &program);
+        bench_warm_replay::<OffsetAlloc>(&mut group, label, &program);
+        bench_warm_replay::<RangeAlloc>(&mut group, label, &program);
     }
     group.finish();
-}
-
-/// A warm allocator made once, as in `random_allocations`.
-fn peer<A: Allocator>(
-    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
-    label: &str,
-    program: &Program,
-) {
-    let (largest, peak) = program.footprint();
-    let mut allocator = A::with_capacity(peak, largest, program.slots);
-    let mut handles: Vec<Option<A::Handle>> = (0..program.slots).map(|_| None).collect();
-    group.bench_function(BenchmarkId::new(A::NAME, label), |b| b.iter(|| program.replay(&mut allocator, &mut handles)));
 }
 
 criterion_group! {

@@ -45,6 +45,23 @@ def rules_of(pool) -> SizeRules:
     return rules
 
 
+# The keys PyTorch's snapshot viewer reads from each segment and block.
+SEGMENT_KEYS = {
+    "device",
+    "address",
+    "total_size",
+    "allocated_size",
+    "active_size",
+    "requested_size",
+    "stream",
+    "segment_type",
+    "segment_pool_id",
+    "is_expandable",
+    "frames",
+    "blocks",
+}
+BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
+
 STAT_NAMES = (
     "allocation",
     "segment",
@@ -107,9 +124,7 @@ def verify(ptr, tag: int, span: int = 4 * KiB) -> None:
     contents = ptr.copy_to_host()
     assert len(contents) == ptr.size
     for offset, data in _pattern(ptr.size, tag, span):
-        assert contents[offset : offset + len(data)] == data, (
-            f"allocation {tag} overwritten near {offset}"
-        )
+        assert contents[offset : offset + len(data)] == data, f"allocation {tag} overwritten near {offset}"
 
 
 def check_pool(pool, live: Iterable) -> None:
@@ -158,9 +173,7 @@ def _check_segments(rules: SizeRules, segments: list[dict]) -> None:
         blocks = sorted(segment["blocks"], key=lambda b: b["address"])
         address = segment["address"]
         for block in blocks:
-            assert block["address"] == address, (
-                f"blocks do not tile segment {segment['address']:#x}"
-            )
+            assert block["address"] == address, f"blocks do not tile segment {segment['address']:#x}"
             address += block["size"]
         assert address == end_of_previous, f"blocks do not tile segment {segment['address']:#x}"
         in_use = [b for b in blocks if b["state"] == "active_allocated"]

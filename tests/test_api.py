@@ -7,23 +7,17 @@ import pytest
 
 import gpupool
 from gpupool import _native
-from pool_checks import FIELDS, POOL_KINDS, STAT_NAMES, KiB, MiB, check_pool
+from pool_checks import (
+    BLOCK_KEYS,
+    FIELDS,
+    POOL_KINDS,
+    SEGMENT_KEYS,
+    STAT_NAMES,
+    KiB,
+    MiB,
+    check_pool,
+)
 
-SEGMENT_KEYS = {
-    "device",
-    "address",
-    "total_size",
-    "allocated_size",
-    "active_size",
-    "requested_size",
-    "stream",
-    "segment_type",
-    "segment_pool_id",
-    "is_expandable",
-    "frames",
-    "blocks",
-}
-BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
 SUMMARY_ROWS = (
     "Allocated memory",
     "Active memory",
@@ -129,9 +123,7 @@ def test_memory_summary_lays_out_pytorchs_rows(pool):
         assert f"| {row} " in summary
     assert summary.count("from large pool") == 9
     assert "from large pool" not in pool.memory_summary(abbreviated=True)
-    assert (
-        "| GPU reserved memory   |  20480 KiB |  20480 KiB |  20480 KiB |      0 B   |" in summary
-    )
+    assert "| GPU reserved memory   |  20480 KiB |  20480 KiB |  20480 KiB |      0 B   |" in summary
     ptr.free()
 
 
@@ -243,9 +235,7 @@ def test_max_split_size_keeps_oversize_blocks_whole():
     pool.alloc(40 * MiB).free()
     below = pool.alloc(20 * MiB)  # under max_split_size: may not carve up the cached 40 MiB block
     assert pool.memory_reserved() == 60 * MiB
-    above = pool.alloc(
-        36 * MiB
-    )  # over it, and within max_non_split_rounding (20 MiB): takes it whole
+    above = pool.alloc(36 * MiB)  # over it, and within max_non_split_rounding (20 MiB): takes it whole
     assert pool.memory_reserved() == 60 * MiB
     assert pool.memory_allocated() == 60 * MiB
     check_pool(pool, [below, above])

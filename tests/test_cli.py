@@ -30,7 +30,5 @@ def test_bench_rejects_a_zero_repeat(capsys):
 
 
 def test_module_runs_as_a_script():
-    result = subprocess.run(
-        [sys.executable, "-m", "gpupool", "--help"], capture_output=True, text=True, check=True
-    )
+    result = subprocess.run([sys.executable, "-m", "gpupool", "--help"], capture_output=True, text=True, check=True)
     assert "bench" in result.stdout

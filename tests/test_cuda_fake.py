@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import ctypes.util
 
-import pytest
-
 import fake_driver
-import gpupool
+import pytest
 
 MiB = 1 << 20
 

@@ -83,9 +83,7 @@ def test_one_refusal_is_absorbed_by_the_retry(strategy, device, nth, program):
         assert stats["num_alloc_retries"] <= refused
 
 
-@pytest.mark.parametrize(
-    "faults", [{"nth": 1, "bogus": 2}, {"probability": 1.5, "seed": 1}, {"nth": 0}]
-)
+@pytest.mark.parametrize("faults", [{"nth": 1, "bogus": 2}, {"probability": 1.5, "seed": 1}, {"nth": 0}])
 def test_bad_fault_settings_are_rejected(faults):
     with pytest.raises(ValueError):
         gpupool.Pool("host", inject_faults=faults)

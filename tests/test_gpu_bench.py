@@ -89,7 +89,11 @@ def test_gpu_check_needs_a_wheel(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     done = subprocess.run(
         ["bash", str(script)],
-        env={"PATH": "/usr/bin:/bin", "GPUPOOL_WHEEL": str(tmp_path / "missing.whl"), "OUT": str(tmp_path)},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "GPUPOOL_WHEEL": str(tmp_path / "missing.whl"),
+            "OUT": str(tmp_path),
+        },
         capture_output=True,
         text=True,
     )

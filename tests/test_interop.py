@@ -147,7 +147,7 @@ def test_c_abi_on_the_host_backend():
     assert _native._capi_memory_stats(7) is None
     with pytest.raises(RuntimeError, match="still serves"):
         _native._capi_configure("host", "")
-    for ptr, size in zip(ptrs, sizes):
+    for ptr, size in zip(ptrs, sizes, strict=True):
         lib.gpupool_free(ptr, size, 0, None)
     lib.gpupool_free(other, 100, 1, None)
     assert _native._capi_memory_stats(0)["allocation.all.current"] == 0

@@ -28,7 +28,14 @@ def trace_file(tmp_path) -> pathlib.Path:
 
 
 def test_prints_a_row_per_trace_and_config(capsys, trace_file):
-    argv = ["replay", str(trace_file), "--config", "strategy:pytorch,max_split_size_mb:20", "--config", "strategy:pytorch"]
+    argv = [
+        "replay",
+        str(trace_file),
+        "--config",
+        "strategy:pytorch,max_split_size_mb:20",
+        "--config",
+        "strategy:pytorch",
+    ]
     assert cli.main([*argv, "--min-capacity"]) == 0
     out, err = capsys.readouterr()
     assert err == ""  # no progress bar when stderr is not a terminal
@@ -42,7 +49,15 @@ def test_prints_a_row_per_trace_and_config(capsys, trace_file):
 
 
 def test_json_has_the_figures_in_bytes(capsys, trace_file):
-    argv = ["replay", str(trace_file), "--json", "--capacity", "24MiB", "--config", "strategy:pytorch"]
+    argv = [
+        "replay",
+        str(trace_file),
+        "--json",
+        "--capacity",
+        "24MiB",
+        "--config",
+        "strategy:pytorch",
+    ]
     assert cli.main(argv) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["trace"] == "small.csv" and row["config"] == "strategy:pytorch"

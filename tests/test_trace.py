@@ -14,6 +14,7 @@ import pytest
 
 import gpupool
 from gpupool import trace as gtrace
+from pool_checks import BLOCK_KEYS, SEGMENT_KEYS, MiB
 
 SHARED_TRACES = pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 # From shared/traces/README.md: events and peak live MiB of each real trace.
@@ -22,7 +23,6 @@ KNOWN_TRACES = {
     "llama_train.csv.gz": (12_148, 2285.5),
     "bert_serve_varbatch.csv.gz": (18_724, 665.2),
 }
-MiB = 1 << 20
 
 HEADER = "Thread,Time,Action,Pointer,Size,Stream"
 SAMPLE = f"""{HEADER}
@@ -285,21 +285,6 @@ def test_history_is_a_ring_and_can_be_switched_off(tmp_path):
 
 # What PyTorch's memory_viz reads (REFERENCE §2, MemoryViz.js).
 SNAPSHOT_KEYS = {"segments", "device_traces", "allocator_settings"}
-SEGMENT_KEYS = {
-    "device",
-    "address",
-    "total_size",
-    "allocated_size",
-    "active_size",
-    "requested_size",
-    "stream",
-    "segment_type",
-    "segment_pool_id",
-    "is_expandable",
-    "frames",
-    "blocks",
-}
-BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
 ENTRY_KEYS = {"action", "addr", "size", "stream", "time_us", "frames"}
 # The opcodes memory_viz's JavaScript unpickler understands (protocols 2 to 4).
 VIEWER_OPCODES = {
@@ -312,7 +297,10 @@ VIEWER_OPCODES = {
 
 @pytest.mark.parametrize(
     ("config", "segment_actions"),
-    [("strategy:pytorch", {"segment_alloc", "segment_free"}), ("strategy:default", {"segment_map", "segment_unmap"})],
+    [
+        ("strategy:pytorch", {"segment_alloc", "segment_free"}),
+        ("strategy:default", {"segment_map", "segment_unmap"}),
+    ],
 )
 def test_a_pool_snapshot_has_every_key_the_viewer_reads(config, segment_actions):
     pool = gpupool.Pool("sim", capacity=64 * MiB, config=config)

@@ -241,3 +241,18 @@ impl Allocator for RangeAlloc {
         self.0.free_range(handle)
     }
 }
+
+/// Times whole replays of `program`; the allocator is made once, so gpupool's memory stays
+/// cached between replays as it would in a running program.
+pub fn bench_warm_replay<A: Allocator>(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    label: &str,
+    program: &Program,
+) {
+    let (largest, peak) = program.footprint();
+    let mut allocator = A::with_capacity(peak, largest, program.slots);
+    let mut handles: Vec<Option<A::Handle>> = (0..program.slots).map(|_| None).collect();
+    group.bench_function(criterion::BenchmarkId::new(A::NAME, label), |b| {
+        b.iter(|| program.replay(&mut allocator, &mut handles))
+    });
+}

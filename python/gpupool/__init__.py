@@ -3,7 +3,14 @@
 from importlib.metadata import version
 
 from gpupool import _native
-from gpupool._native import Device, DevicePtr, OutOfMemoryError, Stream, cuda_available, device_count
+from gpupool._native import (
+    Device,
+    DevicePtr,
+    OutOfMemoryError,
+    Stream,
+    cuda_available,
+    device_count,
+)
 from gpupool._summary import format_memory_summary
 from gpupool._view import View
 from gpupool.trace import ReplayResult, Trace, replay

@@ -40,9 +40,7 @@ def add_parser(commands: Any) -> None:
         help="also find the smallest device size that runs the trace without an OOM (to 0.5%%)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
-        "--plot", metavar="PNG", help="draw reserved and live memory over time (needs matplotlib)"
-    )
+    parser.add_argument("--plot", metavar="PNG", help="draw reserved and live memory over time (needs matplotlib)")
     parser.set_defaults(handler=run)
 
 

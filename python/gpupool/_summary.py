@@ -71,9 +71,7 @@ def _metric_rows(stats: Mapping[str, int], key: str, name: str, fmt: Formatter, 
     return rows
 
 
-def format_memory_summary(
-    stats: Mapping[str, int], abbreviated: bool = False, device: str | None = None
-) -> str:
+def format_memory_summary(stats: Mapping[str, int], abbreviated: bool = False, device: str | None = None) -> str:
     """Renders ``Pool.memory_stats()`` as a 75-column table; ``abbreviated`` drops per-pool rows."""
     # Pools without a max_split_size may omit the oversize statistics; they are zero there.
     oversize_zeros = {f"{key}.{column}": 0 for key, _, _ in OVERSIZE_METRICS for column in COLUMNS}

@@ -72,13 +72,9 @@ def bench(device: str, capacity: str | None, repeat: int) -> str:
         "|---|---:|---:|---:|",
     ]
     for name, run, sizes in WORKLOADS:
-        direct = statistics.median(
-            _time_direct(run, sizes, device, capacity) for _ in range(repeat)
-        )
+        direct = statistics.median(_time_direct(run, sizes, device, capacity) for _ in range(repeat))
         pooled = statistics.median(_time_pool(run, sizes, device, capacity) for _ in range(repeat))
-        lines.append(
-            f"| {name} | {direct / 1e6:.3f} | {pooled / 1e6:.3f} | {direct / pooled:.1f}x |"
-        )
+        lines.append(f"| {name} | {direct / 1e6:.3f} | {pooled / 1e6:.3f} | {direct / pooled:.1f}x |")
     return "\n".join(lines)
 
 
@@ -99,13 +95,9 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpupool", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    bench_parser = commands.add_parser(
-        "bench", help="time the seed article's three workloads, direct versus pooled"
-    )
+    bench_parser = commands.add_parser("bench", help="time the seed article's three workloads, direct versus pooled")
     bench_parser.add_argument("--device", choices=("host", "sim"), default="host")
-    bench_parser.add_argument(
-        "--capacity", help=f"device size, e.g. 16GiB (sim default: {DEFAULT_SIM_CAPACITY})"
-    )
+    bench_parser.add_argument("--capacity", help=f"device size, e.g. 16GiB (sim default: {DEFAULT_SIM_CAPACITY})")
     bench_parser.add_argument("--repeat", type=_positive_int, default=5, help="runs per workload")
     bench_parser.set_defaults(handler=_run_bench)
     _replay_report.add_parser(commands)

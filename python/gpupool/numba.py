@@ -12,7 +12,7 @@ from typing import Any
 
 import gpupool
 
-__all__ = ["GpupoolMemoryManager"]
+__all__ = ["GpupoolMemoryManager"]  # noqa: F822 - built on first access, by __getattr__
 
 
 def _device_pointer(address: int) -> Any:

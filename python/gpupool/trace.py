@@ -80,8 +80,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(
-            f"it holds a {module}.{name} object; only plain dicts, lists, strings and numbers "
-            "are read"
+            f"it holds a {module}.{name} object; only plain dicts, lists, strings and numbers are read"
         )
 
 
