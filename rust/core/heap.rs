@@ -9,6 +9,7 @@
 
 use super::bins::Bins;
 use super::block::{Block, BlockState, Handle, NIL, SHARED, USE_OVERFLOW_BIT};
+use super::owners::Epoch;
 use super::rules::{PoolKind, Rules};
 use super::stats::{Metric, Stats};
 use std::fmt;
@@ -71,13 +72,6 @@ pub struct SegmentInfo {
     pub blocks: Vec<BlockInfo>,
 }
 
-/// Per stream: the epoch its next free gets, and whether frees happened since the last fence.
-#[derive(Clone, Copy, Debug, Default)]
-struct Epoch {
-    current: u32,
-    unfenced: bool,
-}
-
 #[derive(Clone, Debug)]
 pub struct Heap {
     pub(super) rules: Rules,
@@ -89,7 +83,7 @@ pub struct Heap {
     pub(super) private: Vec<[Bins; 2]>,
     /// Free blocks any stream may take, by pool kind.
     pub(super) shared: [Bins; 2],
-    epochs: Vec<Epoch>,
+    pub(super) epochs: Vec<Epoch>,
     /// Allocations served per pool kind: the clock that free blocks age by (PyTorch's
     /// `gc_count`), for garbage collection and the release watermark.
     pub(super) clocks: [u32; 2],
@@ -155,7 +149,7 @@ impl Heap {
         bins[kind.index()].insert(&mut self.blocks, id);
     }
 
-    fn bin_remove(&mut self, id: u32) {
+    pub(super) fn bin_remove(&mut self, id: u32) {
         let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
         let bins = if owner == SHARED { &mut self.shared } else { &mut self.private[owner as usize] };
         bins[kind.index()].remove(&mut self.blocks, id);
@@ -453,18 +447,11 @@ impl Heap {
         self.coalesce_and_bin(id);
     }
 
-    fn epoch_mut(&mut self, stream: u32) -> &mut Epoch {
-        if stream as usize >= self.epochs.len() {
-            self.epochs.resize(stream as usize + 1, Epoch::default());
-        }
-        &mut self.epochs[stream as usize]
-    }
-
     /// Merges free, unbinned block `id` with free neighbours of the same owner, or shared ones
     /// (which become the block's owner's: stricter, so still safe), then bins the result.
     /// A shared block never absorbs a stream's block: that would hide the stream's block from
     /// its owner's bins for nothing.
-    fn coalesce_and_bin(&mut self, mut id: u32) {
+    pub(super) fn coalesce_and_bin(&mut self, mut id: u32) {
         let owner = self.blocks[id as usize].stream;
         // Loops, not ifs: absorbing a shared neighbour can expose another block of this owner
         // (shared and private blocks may alternate after promotions).
@@ -499,7 +486,7 @@ impl Heap {
     }
 
     /// Removes free block `id` from the inactive-split statistics if it counted there.
-    fn uncount_inactive(&mut self, id: u32) {
+    pub(super) fn uncount_inactive(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         if b.is_inactive_split() {
             self.stats.decrease(Metric::InactiveSplit, b.kind, 1);
@@ -541,51 +528,6 @@ impl Heap {
             self.blocks[after as usize].prev = id;
         }
         self.drop_block(next);
-    }
-
-    /// Starts a fence on `stream` if it freed blocks since its last one: returns the epoch the
-    /// fence covers (record a device event now; pass the epoch to `promote` once it completes).
-    pub fn fence(&mut self, stream: u32) -> Option<u32> {
-        let e = self.epochs.get_mut(stream as usize).filter(|e| e.unfenced)?;
-        e.unfenced = false;
-        e.current += 1;
-        Some(e.current - 1)
-    }
-
-    /// Streams that freed blocks since their last fence.
-    pub fn unfenced_streams(&self) -> impl Iterator<Item = u32> + '_ {
-        self.epochs.iter().enumerate().filter(|(_, e)| e.unfenced).map(|(s, _)| s as u32)
-    }
-
-    /// A fence on `stream` covering `epoch` completed: its blocks freed up to then are shared.
-    pub fn promote(&mut self, stream: u32, epoch: u32) {
-        let Some(bins) = self.private.get(stream as usize) else { return };
-        let members: Vec<u32> = bins.iter().flat_map(|b| b.members(&self.blocks)).collect();
-        for id in members {
-            // An earlier promotion in this loop may have merged this block away (its slot is then
-            // unused: no segment).
-            let b = &self.blocks[id as usize];
-            if b.segment == NIL || b.state != BlockState::Free || b.stream != stream || b.epoch > epoch {
-                continue;
-            }
-            self.unbin_counted(id);
-            self.blocks[id as usize].stream = SHARED;
-            self.coalesce_and_bin(id);
-        }
-    }
-
-    /// Unbins a free block and takes it out of the inactive-split count (re-added on binning).
-    fn unbin_counted(&mut self, id: u32) {
-        self.uncount_inactive(id);
-        self.bin_remove(id);
-    }
-
-    /// A destroyed stream's blocks are safe for everyone (it was synchronized first).
-    pub fn retire_stream(&mut self, stream: u32) {
-        self.promote(stream, u32::MAX);
-        if let Some(e) = self.epochs.get_mut(stream as usize) {
-            e.unfenced = false;
-        }
     }
 
     pub(super) fn segment(&self, sid: u32) -> &Segment {

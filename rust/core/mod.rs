@@ -8,6 +8,7 @@ mod block;
 mod check;
 mod heap;
 mod idle;
+mod owners;
 mod rules;
 mod stats;
 

@@ -1,0 +1,71 @@
+//! Stream ownership of free blocks: fences that share a stream's frees with every stream once
+//! its queued work is done, and retiring destroyed streams.
+//!
+//! A free block belongs to the stream that freed it, which may reuse it at once (its own order
+//! protects it). When a fence (a device event the pool records on that stream, covering every
+//! block it freed so far) completes, those blocks become [`SHARED`]. Epochs tell which blocks a
+//! fence covers: each free takes its stream's current epoch, and a fence closes it.
+
+use super::block::{BlockState, NIL, SHARED};
+use super::heap::Heap;
+
+/// Per stream: the epoch its next free gets, and whether frees happened since the last fence.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Epoch {
+    pub current: u32,
+    pub unfenced: bool,
+}
+
+impl Heap {
+    pub(super) fn epoch_mut(&mut self, stream: u32) -> &mut Epoch {
+        if stream as usize >= self.epochs.len() {
+            self.epochs.resize(stream as usize + 1, Epoch::default());
+        }
+        &mut self.epochs[stream as usize]
+    }
+
+    /// Starts a fence on `stream` if it freed blocks since its last one: returns the epoch the
+    /// fence covers (record a device event now; pass the epoch to `promote` once it completes).
+    pub fn fence(&mut self, stream: u32) -> Option<u32> {
+        let e = self.epochs.get_mut(stream as usize).filter(|e| e.unfenced)?;
+        e.unfenced = false;
+        e.current += 1;
+        Some(e.current - 1)
+    }
+
+    /// Streams that freed blocks since their last fence.
+    pub fn unfenced_streams(&self) -> impl Iterator<Item = u32> + '_ {
+        self.epochs.iter().enumerate().filter(|(_, e)| e.unfenced).map(|(s, _)| s as u32)
+    }
+
+    /// A fence on `stream` covering `epoch` completed: its blocks freed up to then are shared.
+    pub fn promote(&mut self, stream: u32, epoch: u32) {
+        let Some(bins) = self.private.get(stream as usize) else { return };
+        let members: Vec<u32> = bins.iter().flat_map(|b| b.members(&self.blocks)).collect();
+        for id in members {
+            // An earlier promotion in this loop may have merged this block away (its slot is then
+            // unused: no segment).
+            let b = &self.blocks[id as usize];
+            if b.segment == NIL || b.state != BlockState::Free || b.stream != stream || b.epoch > epoch {
+                continue;
+            }
+            self.unbin_counted(id);
+            self.blocks[id as usize].stream = SHARED;
+            self.coalesce_and_bin(id);
+        }
+    }
+
+    /// Unbins a free block and takes it out of the inactive-split count (re-added on binning).
+    fn unbin_counted(&mut self, id: u32) {
+        self.uncount_inactive(id);
+        self.bin_remove(id);
+    }
+
+    /// A destroyed stream's blocks are safe for everyone (it was synchronized first).
+    pub fn retire_stream(&mut self, stream: u32) {
+        self.promote(stream, u32::MAX);
+        if let Some(e) = self.epochs.get_mut(stream as usize) {
+            e.unfenced = false;
+        }
+    }
+}
