@@ -3,22 +3,26 @@
 //! # Glossary
 //! - **device**: where memory comes from (`host`, `sim`, `cuda:N` with feature `cuda`), behind the
 //!   [`device::Device`] trait.
-//! - **segment**: one allocation obtained from the device. Blocks never merge across segments,
+//! - **segment**: one allocation obtained from the device, or (expandable segments) one reserved
+//!   address range whose **pages** are mapped on demand. Blocks never merge across segments,
 //!   because two device allocations are not guaranteed to be contiguous.
 //! - **block**: a contiguous piece of a segment, allocated or free. Block metadata lives outside
 //!   the managed memory (device memory cannot hold boundary tags), in a slab indexed by `u32`.
 //! - **bin**: a size class holding free blocks; a two-level (TLSF) bitmap of non-empty bins finds
 //!   a fitting free block without scanning the free blocks.
-//! - **stream**: an ordered queue of device work. Every block remembers the stream it was
-//!   allocated on; free blocks are binned per stream.
+//! - **stream / event**: an ordered queue of device work, and a marker in it. An allocated block
+//!   remembers its stream; a free block belongs to the stream that freed it until a **fence** (an
+//!   event recorded on that stream after the free) completes, then it is **shared** by all.
 //! - **pool kind**: PyTorch's split between the *small* pool (requests <= 1 MiB, 2 MiB segments)
 //!   and the *large* pool (everything else).
 //! - **allocated / active / inactive split / reserved / requested** (PyTorch's meanings):
 //!   allocated = blocks handed to users; active = allocated plus freed blocks still waiting for
 //!   device work; inactive split = free blocks inside partly used segments (memory that
-//!   `empty_cache` cannot return); reserved = all segments; requested = what users asked for,
-//!   before rounding.
+//!   `empty_cache` cannot return); reserved = all segments (mapped pages, for expandable ones);
+//!   requested = what users asked for, before rounding.
 //! - **rules**: the data that makes a strategy (rounding, segment sizes, when to split).
+//! - **strategy**: a named preset of rules and growth/release behaviour over the one engine
+//!   (`default`, `pytorch`, `bfc`, `arena`, `eager`, `expandable`, `direct`).
 //!
 //! # Layers
 //! [`core`] is the safe, device-free algorithm over addresses and sizes; [`device`] holds the
