@@ -88,7 +88,7 @@ impl SimStreams {
     }
 
     /// Events recorded on an idle stream are complete from the start and never change, so
-    /// they are not stored: their ids carry [`DONE`] instead.
+    /// they are not stored: their ids carry the `DONE` bit instead.
     pub fn record_event(&mut self, s: StreamId) -> Result<EventId, DeviceError> {
         let completed = !self.busy(s)?;
         let e = self.next_event;
