@@ -50,6 +50,15 @@ impl fmt::Display for HeapError {
     }
 }
 
+/// What [`Heap::release`] did with a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Released {
+    /// Back in the bins.
+    Cached { segment: SegmentId },
+    /// Waiting for the streams in `uses` (a use mask, see [`Block::uses`]).
+    Pending { id: u32, uses: u32, segment: SegmentId },
+}
+
 /// A block as a snapshot sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockInfo {
@@ -284,8 +293,7 @@ impl Heap {
     }
 
     /// A cached block owned by `owner` that fits `requested` bytes.
-    pub fn find(&self, requested: u64, owner: u32) -> Option<u32> {
-        let rounded = self.rules.round(requested);
+    pub fn find(&self, rounded: u64, owner: u32) -> Option<u32> {
         let kind = self.rules.kind(rounded);
         let bins = &self.bins(owner)?[kind.index()];
         if bins.is_empty() {
@@ -296,35 +304,25 @@ impl Heap {
 
     /// A cached block owned by a stream other than `stream` (nor shared) that fits, with its
     /// owner: the candidates for reuse after making `stream` wait on the owner.
-    pub fn find_foreign(&self, requested: u64, stream: u32) -> Option<(u32, u32)> {
+    pub fn find_foreign(&self, rounded: u64, stream: u32) -> Option<(u32, u32)> {
         (0..self.private.len() as u32)
             .filter(|&owner| owner != stream)
-            .filter_map(|owner| self.find(requested, owner).map(|id| (id, owner)))
+            .filter_map(|owner| self.find(rounded, owner).map(|id| (id, owner)))
             .min_by_key(|&(id, _)| (self.blocks[id as usize].size, id))
-    }
-
-    /// Hands out a cached block (the stream's own, else a shared one if `shared` is allowed),
-    /// splitting off the unused tail when the rules say so. `None` when nothing fits.
-    pub fn take(&mut self, requested: u64, stream: u32, shared: bool) -> Option<Handle> {
-        let id = self.find(requested, stream).or_else(|| if shared { self.find(requested, SHARED) } else { None })?;
-        Some(self.take_block(id, requested, stream))
     }
 
     /// Hands out the head of a fresh segment (which may exceed `max_split_size`: it was made
     /// for this request).
     pub fn take_segment(&mut self, sid: SegmentId, requested: u64, stream: u32) -> Handle {
         let head = self.segment(sid).head;
-        self.take_block(head, requested, stream)
-    }
-
-    /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign`]) to `stream`.
-    pub fn take_block(&mut self, id: u32, requested: u64, stream: u32) -> Handle {
-        self.take_block_at(id, requested, stream).0
-    }
-
-    /// [`Heap::take_block`], also returning the block's address (saving callers a lookup).
-    pub fn take_block_at(&mut self, id: u32, requested: u64, stream: u32) -> (Handle, u64) {
         let rounded = self.rules.round(requested);
+        self.take_block(head, requested, rounded, stream).0
+    }
+
+    /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign`] for
+    /// `rounded`, the rules' size for `requested`) to `stream`, splitting off the unused tail
+    /// when the rules say so. Returns the handle and the block's address.
+    pub fn take_block(&mut self, id: u32, requested: u64, rounded: u64, stream: u32) -> (Handle, u64) {
         self.bin_remove(id);
         self.uncount_inactive(id);
         let block = &self.blocks[id as usize];
@@ -408,20 +406,19 @@ impl Heap {
         Ok(handle.index)
     }
 
-    /// Returns an allocated block to its stream's bins, merging it with free neighbours.
-    pub fn release(&mut self, handle: Handle) -> Result<(), HeapError> {
-        let id = self.end_allocation(handle)?;
-        self.make_free(id);
-        Ok(())
-    }
-
-    /// Frees a block whose device work on other streams may not have finished: it stays
-    /// active (not reusable) until [`Heap::complete_pending`]. Returns its slab index and uses.
-    pub fn release_pending(&mut self, handle: Handle) -> Result<(u32, u32), HeapError> {
+    /// Ends an allocation, validating the handle once. A block no other stream used returns to
+    /// its stream's bins, merged with free neighbours. One with recorded uses stays active (not
+    /// reusable) until [`Heap::complete_pending`]: device work on those streams may not be done.
+    pub fn release(&mut self, handle: Handle) -> Result<Released, HeapError> {
         let id = self.end_allocation(handle)?;
         let block = &mut self.blocks[id as usize];
+        let (segment, uses) = (block.segment, block.uses);
+        if uses == 0 {
+            self.make_free(id);
+            return Ok(Released::Cached { segment });
+        }
         block.state = BlockState::Pending;
-        Ok((id, block.uses))
+        Ok(Released::Pending { id, uses, segment })
     }
 
     /// The events a pending block waited for have completed: it becomes free.

@@ -14,7 +14,7 @@ mod stats;
 
 pub use bins::{bin_index, Bins, BIN_COUNT};
 pub use block::{Block, BlockState, Handle, NIL, SHARED, USE_OVERFLOW_BIT};
-pub use heap::{BlockInfo, Heap, HeapError, SegmentId, SegmentInfo};
+pub use heap::{BlockInfo, Heap, HeapError, Released, SegmentId, SegmentInfo};
 pub use idle::IdleSegment;
 pub use rules::{PoolKind, Rules, SegmentGrowth, SplitPolicy, BFC_SPLIT_REMAINDER, POWER2_INTERVALS};
 pub use stats::{Metric, Stat, StatType, Stats};

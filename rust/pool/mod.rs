@@ -14,7 +14,7 @@ pub use config::{parse_size, Backend, Config, ConfigError, CrossStreamReuse, Set
 pub use error::{format_bytes, OomReport, PoolError};
 pub use history::{History, HistoryAction, HistoryEntry};
 
-use crate::core::{BlockState, Handle, Heap, Metric, Rules, SegmentInfo, StatType, Stats, SHARED};
+use crate::core::{BlockState, Handle, Heap, Metric, Released, Rules, SegmentInfo, StatType, Stats, SHARED};
 use crate::device::{Device, DeviceError, StreamId};
 use deferred::Deferred;
 use expandable::Expandable;
@@ -105,11 +105,12 @@ impl<D: Device> Pool<D> {
 
     fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
+        let rounded = self.heap.rules().round(size);
         if !self.deferred.is_idle() {
             self.deferred.poll(&mut self.device, &mut self.heap, false)?;
         }
         // Shared blocks are safe for every stream; under `never` only destroyed streams' land there.
-        if let Some(a) = self.take_cached(size, stream)? {
+        if let Some(a) = self.take_cached(size, rounded, stream)? {
             return Ok(Some(a));
         }
         if self.config.cross_stream_reuse == CrossStreamReuse::Never {
@@ -118,32 +119,32 @@ impl<D: Device> Pool<D> {
         // Other streams' frees become shared once a fence recorded after them completes.
         self.deferred.fence_streams(&mut self.device, &mut self.heap, Some(stream))?;
         self.deferred.poll(&mut self.device, &mut self.heap, false)?;
-        if let Some(a) = self.take_cached(size, stream)? {
+        if let Some(a) = self.take_cached(size, rounded, stream)? {
             return Ok(Some(a));
         }
         if self.config.cross_stream_reuse == CrossStreamReuse::Wait {
-            if let Some((id, owner)) = self.heap.find_foreign(size, stream) {
+            if let Some((id, owner)) = self.heap.find_foreign(rounded, stream) {
                 self.make_wait_for(stream, owner)?;
-                return self.take_found(id, size, stream).map(Some);
+                return self.take_found(id, size, rounded, stream).map(Some);
             }
         }
         Ok(None)
     }
 
     /// A cached block of the stream's own, else a shared one.
-    fn take_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
-        match self.heap.find(size, stream).or_else(|| self.heap.find(size, SHARED)) {
-            Some(id) => self.take_found(id, size, stream).map(Some),
+    fn take_cached(&mut self, size: u64, rounded: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
+        match self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)) {
+            Some(id) => self.take_found(id, size, rounded, stream).map(Some),
             None => Ok(None),
         }
     }
 
-    /// Allocates free block `id`, first mapping its pages if it lies in an expandable segment.
-    fn take_found(&mut self, id: u32, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
+    /// Allocates free block `id` for `size` (`rounded` by the rules), first mapping its pages if
+    /// it lies in an expandable segment.
+    fn take_found(&mut self, id: u32, size: u64, rounded: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         if let Some(pages) = self.expandable.as_mut() {
             let (block, segment) = (self.heap.block_at(id), self.heap.segment_of(id));
             let (address, free_end) = (block.address, block.end());
-            let rounded = self.heap.rules().round(size);
             let mapped = pages.ensure_mapped(
                 &mut self.device,
                 &mut self.heap,
@@ -157,7 +158,7 @@ impl<D: Device> Pool<D> {
                 self.note_page_calls(stream);
             }
         }
-        let (handle, address) = self.heap.take_block_at(id, size, stream);
+        let (handle, address) = self.heap.take_block(id, size, rounded, stream);
         Ok(self.allocation(handle, address, size, stream))
     }
 
@@ -221,7 +222,7 @@ impl<D: Device> Pool<D> {
         let kind = rules.kind(rounded);
         let fit = self.expandable.as_ref().and_then(|pages| pages.least_mapping_fit(&self.heap, rounded, kind, stream));
         match fit {
-            Some(id) => self.take_found(id, size, stream),
+            Some(id) => self.take_found(id, size, rounded, stream),
             None => Err(oom),
         }
     }
@@ -237,7 +238,7 @@ impl<D: Device> Pool<D> {
         if let Some(pages) = self.expandable.as_mut() {
             let segment = pages.grow(&mut self.device, &mut self.heap, kind, stream, rounded)?;
             let id = self.heap.segment_head(segment);
-            return self.take_found(id, size, stream);
+            return self.take_found(id, size, rounded, stream);
         }
         self.collect_garbage()?;
         let (address, segment_size) = self.allocate_segment(rounded)?;
@@ -270,18 +271,16 @@ impl<D: Device> Pool<D> {
     /// events recorded on them now; otherwise the device is not called.
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
         self.note_free(handle);
-        let block = self.heap.block(handle)?;
-        let segment = block.segment;
-        if !block.has_uses() {
-            self.heap.release(handle)?;
-            return self.after_free(segment);
+        match self.heap.release(handle)? {
+            Released::Cached { segment } => self.after_free(segment),
+            Released::Pending { id, uses, segment } => {
+                if self.deferred.defer(&mut self.device, id, uses)? {
+                    return Ok(());
+                }
+                self.heap.complete_pending(id);
+                self.after_free(segment)
+            }
         }
-        let (block, uses) = self.heap.release_pending(handle)?;
-        if !self.deferred.defer(&mut self.device, block, uses)? {
-            self.heap.complete_pending(block);
-            return self.after_free(segment);
-        }
-        Ok(())
     }
 
     /// The address and block size of a live allocation.
