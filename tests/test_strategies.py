@@ -161,6 +161,7 @@ def test_the_environment_variable_applies_when_config_is_none(monkeypatch):
         ("release_threshold:1.5", "release_threshold"),
         ("initial_pool_size_mb:-3", "initial_pool_size_mb"),
         ("page_size_mb:0", "page_size_mb"),
+        ("page_size_mb:3", "page_size_mb"),
         ("cross_stream_reuse:sometimes", "cross_stream_reuse"),
         ("strategy:bfc,expandable_segments:True", "expandable_segments"),
         ("max_split_size_mb", "max_split_size_mb"),

@@ -27,11 +27,13 @@ pub const BIN_COUNT: usize = FL_COUNT * SL_COUNT;
 const SCAN_LIMIT: usize = 8;
 
 /// Index of the bin holding free blocks of `size` bytes.
+#[inline(always)]
 pub fn bin_index(size: u64) -> usize {
     let (fl, sl) = mapping(size);
     fl * SL_COUNT + sl
 }
 
+#[inline(always)]
 fn mapping(size: u64) -> (usize, usize) {
     if size < (1 << LINEAR_LOG2) {
         (0, (size >> GRANULE_LOG2) as usize)
@@ -62,11 +64,13 @@ impl Bins {
         self.len
     }
 
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Pushes free block `id` onto the front of its bin (recently freed memory is warm).
+    #[inline(always)]
     pub fn insert(&mut self, blocks: &mut [Block], id: u32) {
         let bin = bin_index(blocks[id as usize].size);
         let head = self.heads[bin];
@@ -82,6 +86,7 @@ impl Bins {
     }
 
     /// Unlinks free block `id`; it must be in this structure.
+    #[inline(always)]
     pub fn remove(&mut self, blocks: &mut [Block], id: u32) {
         let (prev, next, size) = {
             let b = &blocks[id as usize];
@@ -109,6 +114,7 @@ impl Bins {
     }
 
     /// A free block of at least `size` bytes and at most `max_size`, close to the smallest such.
+    #[inline]
     pub fn find(&self, blocks: &[Block], size: u64, max_size: u64) -> Option<u32> {
         let own = bin_index(size);
         if let Some(id) = self.best_in_bin(blocks, own, size) {
@@ -120,6 +126,7 @@ impl Bins {
     }
 
     /// The first non-empty bin at index `from` or above.
+    #[inline]
     fn next_non_empty_bin(&self, from: usize) -> Option<usize> {
         if from >= BIN_COUNT {
             return None;
@@ -137,6 +144,7 @@ impl Bins {
         Some(fl * SL_COUNT + self.sl_bitmap[fl].trailing_zeros() as usize)
     }
 
+    #[inline]
     fn best_in_bin(&self, blocks: &[Block], bin: usize, size: u64) -> Option<u32> {
         let mut best: Option<(u64, u32)> = None;
         let mut id = self.heads[bin];

@@ -54,20 +54,24 @@ pub struct Block {
 
 impl Block {
     /// A block that shares its segment with others: a free one is "inactive split" memory.
+    #[inline]
     pub fn is_split(&self) -> bool {
         self.prev != NIL || self.next != NIL
     }
 
     /// Free memory `empty_cache` cannot return: a free piece of a partly used segment. Free
     /// space in expandable segments is not counted: its pages can always be unmapped.
+    #[inline]
     pub fn is_inactive_split(&self) -> bool {
         self.state == BlockState::Free && self.is_split() && !self.expandable
     }
 
+    #[inline]
     pub fn has_uses(&self) -> bool {
         self.uses != 0
     }
 
+    #[inline]
     pub fn end(&self) -> u64 {
         self.address + self.size
     }

@@ -70,9 +70,12 @@ impl Heap {
             ));
         }
         for metric in Metric::ALL {
-            let s = self.stats.get(metric, StatType::All);
-            if s.peak < s.current || s.allocated - s.freed != s.current {
-                return Err(format!("{} counters are inconsistent: {s:?}", metric.name()));
+            let [all, large, small] = StatType::ALL.map(|of| self.stats.get(metric, of));
+            let pools_add_up = all.current == large.current + small.current
+                && all.allocated == large.allocated + small.allocated
+                && all.peak <= large.peak + small.peak;
+            if [all, large, small].iter().any(|s| s.peak < s.current) || !pools_add_up {
+                return Err(format!("{} counters are inconsistent: {all:?} {large:?} {small:?}", metric.name()));
             }
         }
         Ok(())

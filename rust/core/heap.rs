@@ -130,6 +130,7 @@ impl Heap {
         &mut self.stats
     }
 
+    #[inline]
     fn bins(&self, owner: u32) -> Option<&[Bins; 2]> {
         if owner == SHARED {
             Some(&self.shared)
@@ -138,6 +139,7 @@ impl Heap {
         }
     }
 
+    #[inline(always)]
     fn bin_insert(&mut self, id: u32) {
         let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
         let block = &self.blocks[id as usize];
@@ -158,12 +160,14 @@ impl Heap {
         bins[kind.index()].insert(&mut self.blocks, id);
     }
 
+    #[inline(always)]
     pub(super) fn bin_remove(&mut self, id: u32) {
         let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
         let bins = if owner == SHARED { &mut self.shared } else { &mut self.private[owner as usize] };
         bins[kind.index()].remove(&mut self.blocks, id);
     }
 
+    #[inline(always)]
     fn new_block(&mut self, block: Block) -> u32 {
         match self.unused_blocks.pop() {
             Some(id) => {
@@ -178,6 +182,7 @@ impl Heap {
         }
     }
 
+    #[inline(always)]
     fn drop_block(&mut self, id: u32) {
         let b = &mut self.blocks[id as usize];
         b.generation = b.generation.wrapping_add(1);
@@ -293,6 +298,7 @@ impl Heap {
     }
 
     /// A cached block owned by `owner` that fits `requested` bytes.
+    #[inline]
     pub fn find(&self, rounded: u64, owner: u32) -> Option<u32> {
         let kind = self.rules.kind(rounded);
         let bins = &self.bins(owner)?[kind.index()];
@@ -322,6 +328,7 @@ impl Heap {
     /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign`] for
     /// `rounded`, the rules' size for `requested`) to `stream`, splitting off the unused tail
     /// when the rules say so. Returns the handle and the block's address.
+    #[inline]
     pub fn take_block(&mut self, id: u32, requested: u64, rounded: u64, stream: u32) -> (Handle, u64) {
         self.bin_remove(id);
         self.uncount_inactive(id);
@@ -352,6 +359,7 @@ impl Heap {
     }
 
     /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.
+    #[inline]
     fn split(&mut self, id: u32, size: u64) {
         let b = self.blocks[id as usize].clone();
         let tail = self.new_block(Block {
@@ -375,6 +383,7 @@ impl Heap {
     }
 
     /// The allocated block a handle names.
+    #[inline]
     pub fn block(&self, handle: Handle) -> Result<&Block, HeapError> {
         let b = self.blocks.get(handle.index as usize).ok_or(HeapError::UnknownHandle)?;
         if b.generation != handle.generation || b.state != BlockState::Allocated {
@@ -394,6 +403,7 @@ impl Heap {
     }
 
     /// Ends an allocation: the user no longer holds the block.
+    #[inline]
     fn end_allocation(&mut self, handle: Handle) -> Result<u32, HeapError> {
         let b = self.block(handle)?;
         let (size, requested, kind) = (b.size, b.requested, b.kind);
@@ -409,6 +419,7 @@ impl Heap {
     /// Ends an allocation, validating the handle once. A block no other stream used returns to
     /// its stream's bins, merged with free neighbours. One with recorded uses stays active (not
     /// reusable) until [`Heap::complete_pending`]: device work on those streams may not be done.
+    #[inline]
     pub fn release(&mut self, handle: Handle) -> Result<Released, HeapError> {
         let id = self.end_allocation(handle)?;
         let block = &mut self.blocks[id as usize];
@@ -428,6 +439,7 @@ impl Heap {
     }
 
     /// Turns allocated-or-pending block `id` into a free block of its stream and bins it.
+    #[inline]
     fn make_free(&mut self, id: u32) {
         let block = &mut self.blocks[id as usize];
         let (kind, size, stream) = (block.kind, block.size, block.stream);
@@ -448,6 +460,7 @@ impl Heap {
     /// (which become the block's owner's: stricter, so still safe), then bins the result.
     /// A shared block never absorbs a stream's block: that would hide the stream's block from
     /// its owner's bins for nothing.
+    #[inline]
     pub(super) fn coalesce_and_bin(&mut self, mut id: u32) {
         let owner = self.blocks[id as usize].stream;
         // Loops, not ifs: absorbing a shared neighbour can expose another block of this owner
@@ -474,6 +487,7 @@ impl Heap {
     }
 
     /// Adds free block `id` to the inactive-split statistics if it counts there.
+    #[inline(always)]
     fn count_inactive(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         if b.is_inactive_split() {
@@ -483,6 +497,7 @@ impl Heap {
     }
 
     /// Removes free block `id` from the inactive-split statistics if it counted there.
+    #[inline(always)]
     pub(super) fn uncount_inactive(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         if b.is_inactive_split() {
@@ -491,6 +506,7 @@ impl Heap {
         }
     }
 
+    #[inline(always)]
     fn mergeable(&self, owner: u32, neighbour: u32) -> bool {
         let n = &self.blocks[neighbour as usize];
         n.state == BlockState::Free && (n.stream == owner || (n.stream == SHARED && self.absorb_shared))
@@ -503,6 +519,7 @@ impl Heap {
     }
 
     /// Takes a free neighbour out of its bin and the statistics before it is merged.
+    #[inline(always)]
     fn unbin_free_neighbour(&mut self, id: u32) {
         self.uncount_inactive(id);
         self.bin_remove(id);
@@ -510,6 +527,7 @@ impl Heap {
 
     /// Merges the block after `id` into `id`; both are out of the bins. The result belongs to
     /// `owner` and keeps the later epoch.
+    #[inline]
     fn absorb_next(&mut self, id: u32, owner: u32) {
         let next = self.blocks[id as usize].next;
         // Only epochs of `owner`'s blocks mean anything for it; shared ones are stale.

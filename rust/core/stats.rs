@@ -2,7 +2,8 @@
 
 use super::rules::PoolKind;
 
-/// One counter: PyTorch's `current`, `peak`, `allocated` (sum of increases), `freed`.
+/// One counter as PyTorch reports it: `current`, `peak`, `allocated` (sum of increases) and
+/// `freed` (sum of decreases).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stat {
     pub current: u64,
@@ -11,17 +12,31 @@ pub struct Stat {
     pub freed: u64,
 }
 
-impl Stat {
+/// What is stored of a counter. `freed` is always `allocated - current`, so it is derived and a
+/// decrease is one subtraction (statistics are on every allocation's hot path).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counter {
+    current: u64,
+    peak: u64,
+    allocated: u64,
+}
+
+impl Counter {
+    #[inline(always)]
     fn increase(&mut self, amount: u64) {
         self.current += amount;
         self.allocated += amount;
         self.peak = self.peak.max(self.current);
     }
 
+    #[inline(always)]
     fn decrease(&mut self, amount: u64) {
         debug_assert!(self.current >= amount, "statistic would go negative");
         self.current -= amount;
-        self.freed += amount;
+    }
+
+    fn view(self) -> Stat {
+        Stat { current: self.current, peak: self.peak, allocated: self.allocated, freed: self.allocated - self.current }
     }
 }
 
@@ -86,6 +101,7 @@ impl StatType {
         }
     }
 
+    #[inline(always)]
     fn of(kind: PoolKind) -> StatType {
         match kind {
             PoolKind::Small => StatType::SmallPool,
@@ -96,7 +112,7 @@ impl StatType {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    table: [[Stat; 3]; 9],
+    table: [[Counter; 3]; 9],
     pub num_alloc_retries: u64,
     pub num_ooms: u64,
     pub num_device_alloc: u64,
@@ -108,15 +124,17 @@ pub struct Stats {
 
 impl Stats {
     pub fn get(&self, metric: Metric, of: StatType) -> Stat {
-        self.table[metric as usize][of as usize]
+        self.table[metric as usize][of as usize].view()
     }
 
+    #[inline(always)]
     pub fn increase(&mut self, metric: Metric, kind: PoolKind, amount: u64) {
         let row = &mut self.table[metric as usize];
         row[StatType::All as usize].increase(amount);
         row[StatType::of(kind) as usize].increase(amount);
     }
 
+    #[inline(always)]
     pub fn decrease(&mut self, metric: Metric, kind: PoolKind, amount: u64) {
         let row = &mut self.table[metric as usize];
         row[StatType::All as usize].decrease(amount);

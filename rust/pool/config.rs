@@ -21,7 +21,7 @@
 //!   of reserved bytes, fully free segments go back to the device, oldest first.
 //! - `initial_pool_size_mb`: a segment obtained when the pool is made (capped by capacity);
 //!   `arena` grows by this unit too (default 1024).
-//! - `page_size_mb`: the mapping unit of `expandable` (default 2).
+//! - `page_size_mb`: the mapping unit of `default` and `expandable`, a power of two (default 2).
 //! - `cross_stream_reuse`: `never`, `completed` (default) or `wait`.
 //! - PyTorch's pinned-memory and graph keys are accepted and ignored (gpupool has neither).
 

@@ -82,6 +82,8 @@ const SMALL_MAP_AHEAD: u64 = 2 << 20;
 #[derive(Debug)]
 pub struct Expandable {
     page_size: u64,
+    /// log2 of `page_size` (a power of two): the hot path divides by shifting.
+    page_shift: u32,
     ranges: Vec<Range>,
     /// Map (true) and unmap calls as (address, size), kept only while history is recorded.
     calls: Option<Vec<(bool, u64, u64)>>,
@@ -89,7 +91,8 @@ pub struct Expandable {
 
 impl Expandable {
     pub fn new(page_size: u64) -> Self {
-        Expandable { page_size, ranges: Vec::new(), calls: None }
+        assert!(page_size.is_power_of_two(), "the configuration admits only power-of-two pages");
+        Expandable { page_size, page_shift: page_size.trailing_zeros(), ranges: Vec::new(), calls: None }
     }
 
     pub fn log_calls(&mut self, on: bool) {
@@ -145,8 +148,8 @@ impl Expandable {
     ) -> Result<bool, DeviceError> {
         let page_size = self.page_size;
         let Some(range) = self.ranges.iter_mut().find(|r| r.segment == segment) else { return Ok(false) };
-        let first = (address - range.base) / page_size;
-        let end = (address + len - range.base).div_ceil(page_size);
+        let first = (address - range.base) >> self.page_shift;
+        let end = (address + len - range.base + page_size - 1) >> self.page_shift;
         // The common case, a block on pages already mapped: no call and no allocation.
         if range.all_mapped(first..end) {
             return Ok(false);

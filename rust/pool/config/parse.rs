@@ -94,7 +94,7 @@ impl Keys {
             }
             "release_threshold" => self.release_threshold = Some(fraction(key, value, true)?),
             "initial_pool_size_mb" => self.initial_pool_size_mb = Some(at_least(key, value, 0)?),
-            "page_size_mb" => self.page_size_mb = Some(at_least(key, value, 1)?),
+            "page_size_mb" => self.page_size_mb = Some(power_of_two(key, value)?),
             "cross_stream_reuse" => {
                 let modes = [CrossStreamReuse::Never, CrossStreamReuse::Completed, CrossStreamReuse::Wait];
                 self.cross_stream_reuse = Some(choice(key, value, &modes.map(|m| (m.name(), m)))?);
@@ -200,6 +200,16 @@ fn at_least(key: &str, value: &str, min: u64) -> Result<u64, ConfigError> {
         .ok_or_else(|| ConfigError(format!("config key '{key}' needs an integer of at least {min}, got '{value}'")))
 }
 
+/// A page size in MiB: a power of two, as CUDA's mapping granularity (2 MiB) and its multiples
+/// that divide address ranges evenly are.
+fn power_of_two(key: &str, value: &str) -> Result<u64, ConfigError> {
+    let mb = at_least(key, value, 1)?;
+    if !mb.is_power_of_two() {
+        return Err(ConfigError(format!("config key '{key}' needs a power of two (1, 2, 4, ...), got '{value}'")));
+    }
+    Ok(mb)
+}
+
 /// A float in [0, 1] (`closed`) or (0, 1).
 fn fraction(key: &str, value: &str, closed: bool) -> Result<f64, ConfigError> {
     let ok = |v: &f64| if closed { (0.0..=1.0).contains(v) } else { *v > 0.0 && *v < 1.0 };
@@ -300,8 +310,8 @@ mod tests {
         let direct = parse("direct");
         assert_eq!((direct.rules.growth, direct.release_threshold), (SegmentGrowth::Exact, Some(0.0)));
         assert_eq!(parse("expandable").page_size, Some(2 * MIB));
-        let pages = Config::parse("page_size_mb:20,expandable_segments:True").unwrap();
-        assert_eq!((pages.strategy, pages.page_size), (Strategy::Expandable, Some(20 * MIB)));
+        let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
+        assert_eq!((pages.strategy, pages.page_size), (Strategy::Expandable, Some(16 * MIB)));
         // Order does not matter: overrides apply on top of the preset.
         let bfc = Config::parse("max_split_size_mb:40,strategy:bfc").unwrap();
         assert_eq!((bfc.rules.granule, bfc.rules.max_split_size), (256, 40 * MIB));
