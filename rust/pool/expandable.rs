@@ -28,6 +28,7 @@ impl Range {
     }
 
     /// Whether every page in `pages` is mapped, a 64-page word at a time.
+    #[inline]
     fn all_mapped(&self, pages: std::ops::Range<u64>) -> bool {
         let mut page = pages.start;
         while page < pages.end {
@@ -136,6 +137,7 @@ impl Expandable {
     /// space that follows (up to `free_end`), so growing allocations cost few map calls; if the
     /// device refuses that much, exactly what is needed is mapped.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     pub fn ensure_mapped<D: Device>(
         &mut self,
         device: &mut D,
@@ -147,13 +149,33 @@ impl Expandable {
         limit: Option<u64>,
     ) -> Result<bool, DeviceError> {
         let page_size = self.page_size;
-        let Some(range) = self.ranges.iter_mut().find(|r| r.segment == segment) else { return Ok(false) };
+        let Some(index) = self.ranges.iter().position(|r| r.segment == segment) else { return Ok(false) };
+        let range = &self.ranges[index];
         let first = (address - range.base) >> self.page_shift;
         let end = (address + len - range.base + page_size - 1) >> self.page_shift;
         // The common case, a block on pages already mapped: no call and no allocation.
         if range.all_mapped(first..end) {
             return Ok(false);
         }
+        self.map_missing(device, heap, index, first..end, free_end, limit)?;
+        Ok(true)
+    }
+
+    /// [`Expandable::ensure_mapped`]'s slow path: maps the unmapped runs of `pages` in range
+    /// `index`, mapping ahead after the last one.
+    #[cold]
+    fn map_missing<D: Device>(
+        &mut self,
+        device: &mut D,
+        heap: &mut Heap,
+        index: usize,
+        pages: std::ops::Range<u64>,
+        free_end: u64,
+        limit: Option<u64>,
+    ) -> Result<(), DeviceError> {
+        let page_size = self.page_size;
+        let range = &mut self.ranges[index];
+        let (segment, first, end) = (range.segment, pages.start, pages.end);
         let ahead_end = ((free_end - range.base) / page_size).max(end);
         for run in range.runs(first..end, false) {
             let wanted_end = (run.start + range.map_ahead / page_size).clamp(run.end, ahead_end);
@@ -172,7 +194,7 @@ impl Expandable {
                 calls.push((true, range.base + done.start * page_size, (done.end - done.start) * page_size));
             }
         }
-        Ok(true)
+        Ok(())
     }
 
     fn map_run<D: Device>(
