@@ -112,6 +112,19 @@ def test_memory_stats_has_pytorchs_keys(pool):
     assert all(isinstance(value, int) for value in stats.values())
 
 
+def test_freed_counts_every_decrease(pool):
+    # `freed` is derived from allocated - current; this pins it to PyTorch's meaning.
+    sizes = [4096, 3 * MiB, 512, 70 * 1024]
+    ptrs = [pool.alloc(n) for n in sizes]
+    for ptr in ptrs[:3]:
+        ptr.free()
+    stats = pool.memory_stats()
+    assert stats["allocation.all.allocated"] == 4 and stats["allocation.all.freed"] == 3
+    assert stats["requested_bytes.all.freed"] == sum(sizes[:3])
+    assert stats["requested_bytes.all.allocated"] - stats["requested_bytes.all.freed"] == sizes[3]
+    assert stats["allocated_bytes.all.freed"] == stats["allocated_bytes.all.allocated"] - pool.memory_allocated()
+
+
 def test_memory_summary_lays_out_pytorchs_rows(pool):
     ptr = pool.alloc(3 * MiB)
     summary = pool.memory_summary()
