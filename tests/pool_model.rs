@@ -2,7 +2,7 @@
 //! strategy; then PyTorch's documented behaviour and each strategy's own.
 
 use gpupool::core::{BlockState, Metric, SegmentInfo, StatType};
-use gpupool::device::{Device, FaultPlan, Faulty, Host, Sim};
+use gpupool::device::{Device, FaultPlan, FaultSchedule, Faulty, Host, Sim};
 use gpupool::pool::{Allocation, Config, Pool, PoolError};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -179,7 +179,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         for config in configs("") {
-            let device = Faulty::new(Sim::new(1 << 30), FaultPlan::Probability { p: 0.3, seed });
+            let device = Faulty::new(Sim::new(1 << 30), FaultPlan::new(FaultSchedule::Probability { p: 0.3, seed }));
             run(Pool::new(device, config), &ops, false);
         }
     }

@@ -16,7 +16,7 @@ impl Heap {
         let mut live_blocks = 0usize;
         for (sid, seg) in self.segments.iter().enumerate() {
             let Some(seg) = seg else { continue };
-            recount.increase(Metric::Segment, seg.kind, 1);
+            recount.increase(Metric::Segment, seg.kind, if seg.expandable { u64::from(seg.runs) } else { 1 });
             recount.increase(Metric::ReservedBytes, seg.kind, seg.mapped);
             let (mut expected_address, mut prev, mut prev_owner) = (seg.address, super::NIL, None);
             for (id, b) in self.blocks_of(seg) {

@@ -25,6 +25,8 @@ pub(super) struct Segment {
     pub stream: u32,
     /// Bytes backed by memory: all of a plain segment, the mapped pages of an expandable one.
     pub mapped: u64,
+    /// Expandable: contiguous mapped runs, each of which counts (and shows) as a segment.
+    pub runs: u32,
     pub expandable: bool,
     /// Its kind's allocation clock when it last became one free block (for its age when idle).
     pub idle_since: u32,
@@ -60,7 +62,7 @@ pub enum Released {
 }
 
 /// A block as a snapshot sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockInfo {
     pub address: u64,
     pub size: u64,
@@ -216,7 +218,7 @@ impl Heap {
 
     fn insert_segment(&mut self, address: u64, size: u64, kind: PoolKind, stream: u32, expandable: bool) -> SegmentId {
         let mapped = if expandable { 0 } else { size };
-        let segment = Segment { address, size, kind, stream, mapped, expandable, idle_since: 0, head: NIL };
+        let segment = Segment { address, size, kind, stream, mapped, runs: 0, expandable, idle_since: 0, head: NIL };
         let sid = match self.unused_segments.pop() {
             Some(sid) => {
                 self.segments[sid as usize] = Some(segment);
@@ -255,21 +257,39 @@ impl Heap {
             self.blocks[head as usize].epoch = epoch;
         }
         self.bin_insert(head);
-        self.stats.increase(Metric::Segment, kind, 1);
+        // An expandable range counts as segments only as pages get mapped (`note_mapped`).
+        self.stats.increase(Metric::Segment, kind, u64::from(!expandable));
         self.stats.increase(Metric::ReservedBytes, kind, mapped);
         sid
     }
 
-    /// Pages of expandable segment `sid` were mapped (or unmapped): reserved bytes follow.
-    pub fn note_mapped(&mut self, sid: SegmentId, bytes: u64, mapped: bool) {
+    /// `bytes` of pages of expandable segment `sid` were mapped (or unmapped), which changed its
+    /// number of contiguous mapped runs by `runs`: reserved bytes and segments follow.
+    pub fn note_mapped(&mut self, sid: SegmentId, bytes: u64, mapped: bool, runs: i32) {
         let seg = self.segments[sid as usize].as_mut().expect("mapping in a released segment");
         let kind = seg.kind;
+        seg.runs = seg.runs.checked_add_signed(runs).expect("mapped runs went negative");
+        if runs > 0 {
+            self.stats.increase(Metric::Segment, kind, runs as u64);
+        } else {
+            self.stats.decrease(Metric::Segment, kind, u64::from(runs.unsigned_abs()));
+        }
         if mapped {
             seg.mapped += bytes;
             self.stats.increase(Metric::ReservedBytes, kind, bytes);
         } else {
             seg.mapped -= bytes;
             self.stats.decrease(Metric::ReservedBytes, kind, bytes);
+        }
+    }
+
+    /// Contiguous mapped runs of segment `sid` (1 for a plain segment).
+    pub fn mapped_runs(&self, sid: SegmentId) -> u32 {
+        let seg = self.segment(sid);
+        if seg.expandable {
+            seg.runs
+        } else {
+            1
         }
     }
 
@@ -432,6 +452,15 @@ impl Heap {
         Ok(Released::Pending { id, uses, segment })
     }
 
+    /// Ends the allocation of `handle` but keeps its block out of the cache: its bytes are
+    /// still referenced (exports of a freed pointer). The block is pending, active but not
+    /// allocated, until [`Heap::complete_pending`]. Returns its slab index.
+    pub fn hold(&mut self, handle: Handle) -> Result<u32, HeapError> {
+        let id = self.end_allocation(handle)?;
+        self.blocks[id as usize].state = BlockState::Pending;
+        Ok(id)
+    }
+
     /// The events a pending block waited for have completed: it becomes free.
     pub fn complete_pending(&mut self, id: u32) {
         debug_assert_eq!(self.blocks[id as usize].state, BlockState::Pending);
@@ -549,19 +578,15 @@ impl Heap {
         self.segments[sid as usize].as_ref().expect("block of a released segment")
     }
 
-    /// Removes every segment that is one free block; returns their (address, size) so the
-    /// caller can give them back to the device.
-    pub fn release_free_segments(&mut self) -> Vec<(u64, u64)> {
-        let mut released = Vec::new();
-        for sid in 0..self.segments.len() {
-            let Some(seg) = self.segments[sid].as_ref() else { continue };
-            // An expandable segment goes only once its pages are unmapped.
-            if !self.is_fully_free(seg) || (seg.expandable && seg.mapped != 0) {
-                continue;
-            }
-            released.push(self.remove_segment(sid as u32));
-        }
-        released
+    /// Every segment that is all free (an expandable one also fully unmapped), with its address
+    /// and size. The caller gives each back to the device, then removes it with
+    /// [`Heap::remove_segment`]: a refusal then leaves the heap and the device in agreement.
+    pub fn free_segments(&self) -> Vec<(SegmentId, u64, u64)> {
+        (0..self.segments.len())
+            .filter_map(|sid| Some((sid as SegmentId, self.segments[sid].as_ref()?)))
+            .filter(|(_, seg)| self.is_fully_free(seg) && !(seg.expandable && seg.mapped != 0))
+            .map(|(sid, seg)| (sid, seg.address, seg.size))
+            .collect()
     }
 
     /// Whether every block of `seg` is free. Usually that is one block; free blocks of
@@ -571,7 +596,7 @@ impl Heap {
     }
 
     /// Removes segment `sid`, whose blocks must all be free; returns its (address, size).
-    pub(super) fn remove_segment(&mut self, sid: SegmentId) -> (u64, u64) {
+    pub fn remove_segment(&mut self, sid: SegmentId) -> (u64, u64) {
         let seg = self.segments[sid as usize].take().expect("removing a released segment");
         let mut id = seg.head;
         while id != NIL {
@@ -582,7 +607,7 @@ impl Heap {
             id = next;
         }
         self.unused_segments.push(sid);
-        self.stats.decrease(Metric::Segment, seg.kind, 1);
+        self.stats.decrease(Metric::Segment, seg.kind, if seg.expandable { u64::from(seg.runs) } else { 1 });
         self.stats.decrease(Metric::ReservedBytes, seg.kind, seg.mapped);
         (seg.address, seg.size)
     }

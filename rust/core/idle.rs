@@ -52,10 +52,10 @@ impl Heap {
         idle
     }
 
-    /// Removes idle segment `sid`; returns its (address, size) for the device.
-    pub fn release_idle_segment(&mut self, sid: SegmentId) -> (u64, u64) {
-        debug_assert!(self.is_idle(sid), "segment {sid} is not idle");
-        self.remove_segment(sid)
+    /// The address and size of segment `sid`.
+    pub fn segment_extent(&self, sid: SegmentId) -> (u64, u64) {
+        let seg = self.segment(sid);
+        (seg.address, seg.size)
     }
 }
 
@@ -82,7 +82,8 @@ mod tests {
         assert!(!heap.is_idle(small));
         heap.release(b).unwrap();
         assert_eq!(heap.idle_bytes(), 42 * MIB);
-        assert_eq!(heap.release_idle_segment(old), (0, 20 * MIB));
+        assert_eq!(heap.segment_extent(old), (0, 20 * MIB));
+        assert_eq!(heap.remove_segment(old), (0, 20 * MIB));
         assert_eq!(heap.idle_bytes(), 22 * MIB);
         heap.check_invariants().unwrap();
     }

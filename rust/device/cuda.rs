@@ -240,6 +240,12 @@ impl Device for Cuda {
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw) })
     }
 
+    fn synchronize_device(&mut self) -> Result<(), DeviceError> {
+        self.context.bind()?;
+        // SAFETY: the context is current on this thread.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DeviceError> {
         let raw_stream = self.stream(stream)?;
         self.context.bind()?;

@@ -17,8 +17,24 @@ pub struct Host {
     streams: SimStreams,
 }
 
+/// The machine's physical memory, the most a `host` device can hold: beyond it the kernel would
+/// overcommit, and touching the memory would kill the process instead of failing an allocation.
+pub fn physical_memory() -> Option<u64> {
+    // SAFETY: `sysconf` reads system constants; it has no preconditions.
+    #[allow(unsafe_code)]
+    let (pages, page_size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    (pages > 0 && page_size > 0).then(|| pages as u64 * page_size as u64)
+}
+
 impl Host {
+    /// A host device of `capacity` bytes, or of the machine's physical memory (which also caps
+    /// a larger `capacity`).
     pub fn new(capacity: Option<u64>) -> Self {
+        let physical = physical_memory();
+        let capacity = match (capacity, physical) {
+            (Some(c), Some(p)) => Some(c.min(p)),
+            (c, p) => c.or(p),
+        };
         Host {
             capacity,
             held: 0,

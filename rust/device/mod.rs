@@ -10,7 +10,7 @@
 //!   live allocation; devices without memory behind their addresses answer `Unsupported`.
 //! - Streams and events: stream [`DEFAULT_STREAM`] always exists. `record_event` marks the
 //!   current end of a stream's work; `query_event` says whether everything before it finished;
-//!   `synchronize_*` block until it has; `stream_wait_event` orders a stream's later work after an
+//!   `synchronize_*` block until it has (`synchronize_device`: every stream); `stream_wait_event` orders a stream's later work after an
 //!   event without blocking the host. `hold_stream` exists for simulated devices (it makes the
 //!   stream busy until synchronized) and is a no-op where real kernels keep streams busy.
 //!   `import_stream` wraps a stream made elsewhere (a raw `cudaStream_t`) and `stream_handle`
@@ -27,7 +27,7 @@ mod streams;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{Cuda, Mode as CudaMode};
-pub use faulty::{FaultPlan, Faulty};
+pub use faulty::{FaultCall, FaultEffect, FaultPlan, FaultSchedule, FaultSetting, Faulty};
 pub use host::Host;
 pub use reservations::Reservations;
 pub use sim::Sim;
@@ -107,6 +107,8 @@ pub trait Device: Send {
     }
     fn query_stream(&mut self, stream: StreamId) -> Result<bool, DeviceError>;
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
+    /// Blocks until the work queued on every stream of the device has finished.
+    fn synchronize_device(&mut self) -> Result<(), DeviceError>;
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DeviceError>;
     fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError>;
     fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError>;
@@ -160,6 +162,9 @@ macro_rules! forward_streams {
         }
         fn synchronize_stream(&mut self, s: $crate::device::StreamId) -> Result<(), $crate::device::DeviceError> {
             self.$field.synchronize_stream(s)
+        }
+        fn synchronize_device(&mut self) -> Result<(), $crate::device::DeviceError> {
+            self.$field.synchronize_device()
         }
         fn record_event(
             &mut self,
@@ -223,6 +228,9 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn synchronize_stream(&mut self, s: StreamId) -> Result<(), DeviceError> {
         (**self).synchronize_stream(s)
+    }
+    fn synchronize_device(&mut self) -> Result<(), DeviceError> {
+        (**self).synchronize_device()
     }
     fn record_event(&mut self, s: StreamId) -> Result<EventId, DeviceError> {
         (**self).record_event(s)

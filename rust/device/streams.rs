@@ -168,6 +168,11 @@ impl SimStreams {
         }
     }
 
+    pub fn synchronize_device(&mut self) -> Result<(), DeviceError> {
+        self.synchronize_all();
+        Ok(())
+    }
+
     pub fn stream_wait_event(&mut self, s: StreamId, e: EventId) -> Result<(), DeviceError> {
         let completed = self.is_done(e) || self.event(e)?.completed;
         let state = self.stream(s)?;

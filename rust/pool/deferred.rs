@@ -41,13 +41,19 @@ impl Deferred {
         }
     }
 
-    /// For a block freed while other streams (`uses`, its use mask) used it: records an event
-    /// on each of them. Returns false when nothing is left to wait for.
-    pub fn defer<D: Device>(&mut self, device: &mut D, block: u32, uses: u32) -> Result<bool, DeviceError> {
-        let mut count = 0;
+    /// For block `block` about to be freed while other streams (`uses`, its use mask) use it:
+    /// records an event on each of them and returns the ones still pending, for
+    /// [`Deferred::attach`]. Nothing changes if the device refuses an event, so the free can be
+    /// retried.
+    pub fn record_waits<D: Device>(
+        &mut self,
+        device: &mut D,
+        block: u32,
+        uses: u32,
+    ) -> Result<Vec<(StreamId, EventId)>, DeviceError> {
         let mut mask = uses & !(1 << USE_OVERFLOW_BIT);
         let others = if uses & (1 << USE_OVERFLOW_BIT) != 0 {
-            self.overflow_uses.remove(&block).unwrap_or_default()
+            self.overflow_uses.get(&block).cloned().unwrap_or_default()
         } else {
             Vec::new()
         };
@@ -56,24 +62,47 @@ impl Deferred {
             mask &= mask - 1;
             Some(s)
         });
+        let mut waits = Vec::new();
         for stream in low.chain(others) {
-            match device.record_event(stream) {
+            let recorded = match device.record_event(stream) {
                 // Work on an idle stream is already done: nothing to wait for.
-                Ok(event) if device.query_event(event)? => device.destroy_event(event)?,
-                Ok(event) => {
-                    self.pending.entry(stream).or_default().push_back((event, block));
-                    count += 1;
-                }
+                Ok(event) => match device.query_event(event) {
+                    Ok(true) => device.destroy_event(event),
+                    Ok(false) => {
+                        waits.push((stream, event));
+                        Ok(())
+                    }
+                    Err(e) => Err(e).inspect_err(|_| _ = device.destroy_event(event)),
+                },
                 // A destroyed stream was synchronized first: nothing of it can still run.
-                Err(DeviceError::InvalidStream(_)) => {}
-                Err(e) => return Err(e),
+                Err(DeviceError::InvalidStream(_)) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = recorded {
+                for (_, event) in waits {
+                    // Best effort: the events were never attached to anything.
+                    let _ = device.destroy_event(event);
+                }
+                return Err(e);
             }
         }
-        if count > 0 {
-            self.remaining.insert(block, count);
-            self.outstanding += count as usize;
+        Ok(waits)
+    }
+
+    /// Makes pending block `block` wait for `waits` (from [`Deferred::record_waits`], not empty).
+    pub fn attach(&mut self, block: u32, waits: Vec<(StreamId, EventId)>) {
+        debug_assert!(!waits.is_empty());
+        self.overflow_uses.remove(&block);
+        self.remaining.insert(block, waits.len() as u32);
+        self.outstanding += waits.len();
+        for (stream, event) in waits {
+            self.pending.entry(stream).or_default().push_back((event, block));
         }
-        Ok(count > 0)
+    }
+
+    /// Forgets the extra uses of a block that needs no waiting after all.
+    pub fn forget_uses(&mut self, block: u32) {
+        self.overflow_uses.remove(&block);
     }
 
     /// Records a fence on every stream (but `except`) that freed blocks since its last fence.

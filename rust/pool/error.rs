@@ -13,6 +13,9 @@ pub struct OomReport {
     pub device_free: Option<u64>,
     pub allocated: u64,
     pub reserved: u64,
+    /// The largest request the cache could serve now: its biggest free block, or in paged
+    /// ranges the biggest free block as far as mapped pages and the device's free memory back it
+    /// (free address space alone is not memory).
     pub largest_free_block: u64,
     /// The most the pool may reserve (`per_process_memory_fraction` x capacity), if limited.
     pub limit: Option<u64>,
@@ -34,7 +37,7 @@ impl OomReport {
         if free == 0 {
             0.0
         } else {
-            1.0 - self.largest_free_block as f64 / free as f64
+            1.0 - (self.largest_free_block as f64 / free as f64).min(1.0)
         }
     }
 }

@@ -7,7 +7,7 @@
 //! release watermark. Physical use is then the pages that live blocks touch, not the address
 //! space that fragmentation spreads them over.
 
-use crate::core::{Heap, Metric, PoolKind, SegmentId, StatType, SHARED};
+use crate::core::{BlockInfo, BlockState, Heap, Metric, PoolKind, SegmentId, SegmentInfo, StatType, SHARED};
 use crate::device::{Device, DeviceError};
 
 /// One reserved range and which of its pages are mapped.
@@ -54,24 +54,38 @@ impl Range {
         }
     }
 
-    /// Maximal runs of pages in `pages` whose mapped state equals `state`.
+    /// How many of the pages just outside `pages` (before and after) are mapped: 0, 1 or 2.
+    fn touches_mapped(&self, pages: &std::ops::Range<u64>) -> i32 {
+        let total = self.mapped.len() as u64 * 64;
+        let before = pages.start > 0 && self.is_mapped(pages.start - 1);
+        let after = pages.end < total && self.is_mapped(pages.end);
+        i32::from(before) + i32::from(after)
+    }
+
+    /// Maximal runs of pages in `pages` whose mapped state equals `state`, a word at a time.
     fn runs(&self, pages: std::ops::Range<u64>, state: bool) -> Vec<std::ops::Range<u64>> {
         let mut runs = Vec::new();
-        let mut start = None;
-        for page in pages.clone() {
-            match (self.is_mapped(page) == state, start) {
-                (true, None) => start = Some(page),
-                (false, Some(s)) => {
-                    runs.push(s..page);
-                    start = None;
-                }
-                _ => {}
-            }
-        }
-        if let Some(s) = start {
-            runs.push(s..pages.end);
+        let mut page = self.next_in_state(pages.start, pages.end, state);
+        while page < pages.end {
+            let end = self.next_in_state(page, pages.end, !state);
+            runs.push(page..end);
+            page = self.next_in_state(end, pages.end, state);
         }
         runs
+    }
+
+    /// The first page from `from` (before `end`, else `end`) whose mapped state is `state`.
+    fn next_in_state(&self, from: u64, end: u64, state: bool) -> u64 {
+        let mut page = from;
+        while page < end {
+            let (word, bit) = ((page / 64) as usize, page % 64);
+            let bits = if state { self.mapped[word] } else { !self.mapped[word] } >> bit;
+            if bits != 0 {
+                return (page + u64::from(bits.trailing_zeros())).min(end);
+            }
+            page += 64 - bit;
+        }
+        end
     }
 }
 
@@ -79,6 +93,10 @@ impl Range {
 /// sizes, which its expandable segments also map at a time (20 MiB large, 2 MiB small).
 const MAP_AHEAD: u64 = 20 << 20;
 const SMALL_MAP_AHEAD: u64 = 2 << 20;
+
+/// The largest range reserved (1 PiB, far beyond any device): its page map is at most 64 MiB of
+/// address space, and only the words of mapped pages are ever written.
+const MAX_RANGE: u64 = 1 << 50;
 
 #[derive(Debug)]
 pub struct Expandable {
@@ -118,10 +136,14 @@ impl Expandable {
         stream: u32,
         rounded: u64,
     ) -> Result<SegmentId, DeviceError> {
+        // The page map costs a bit per page of the range: a request no device could hold must
+        // not size one.
+        if rounded > MAX_RANGE - MAP_AHEAD {
+            return Err(DeviceError::OutOfMemory { requested: rounded });
+        }
         let capacity = device.memory_info().total.unwrap_or(1 << 40);
-        // Twice the capacity, at most 1 TiB unless one request needs more (the page map costs a
-        // bit per page of it).
-        let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded.saturating_mul(2));
+        // Twice the capacity, at most 1 TiB unless one request needs more.
+        let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded + MAP_AHEAD);
         let size = wanted.div_ceil(self.page_size) * self.page_size;
         let base = device.reserve(size)?;
         let segment = heap.add_expandable_segment(base, size, kind, stream);
@@ -129,6 +151,16 @@ impl Expandable {
         let map_ahead = if kind == PoolKind::Small { SMALL_MAP_AHEAD } else { MAP_AHEAD };
         self.ranges.push(Range { segment, base, kind, map_ahead, mapped: vec![0; pages.div_ceil(64) as usize] });
         Ok(segment)
+    }
+
+    /// Whether `[address, address + len)` in `segment` lies on mapped pages (plain segments are
+    /// not ranges: always).
+    #[inline]
+    pub fn is_backed(&self, segment: SegmentId, address: u64, len: u64) -> bool {
+        let Some(range) = self.ranges.iter().find(|r| r.segment == segment) else { return true };
+        let first = (address - range.base) >> self.page_shift;
+        let end = (address + len - range.base + self.page_size - 1) >> self.page_shift;
+        range.all_mapped(first..end)
     }
 
     /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet; says
@@ -213,8 +245,9 @@ impl Expandable {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
         device.map(range.base + run.start * page_size, bytes)?;
+        let runs = 1 - range.touches_mapped(&run);
         range.set(run, true);
-        heap.note_mapped(segment, bytes, true);
+        heap.note_mapped(segment, bytes, true, runs);
         heap.stats_mut().num_device_map += 1;
         Ok(())
     }
@@ -258,8 +291,9 @@ impl Expandable {
                     if let Some(calls) = self.calls.as_mut() {
                         calls.push((false, range.base + run.start * page_size, bytes));
                     }
-                    range.set(run, false);
-                    heap.note_mapped(range.segment, bytes, false);
+                    range.set(run.clone(), false);
+                    let runs = range.touches_mapped(&run) - 1;
+                    heap.note_mapped(range.segment, bytes, false, runs);
                     heap.stats_mut().num_device_unmap += 1;
                     released += bytes;
                 }
@@ -309,6 +343,74 @@ impl Expandable {
         Ok(idle)
     }
 
+    /// A range as PyTorch's snapshots show an expandable segment: one segment per contiguous
+    /// mapped run, holding the blocks that lie in it (free ones clipped to it), so that the
+    /// segments' sizes add up to the reserved bytes. Other segments pass through unchanged.
+    pub fn split_by_mapping(&self, segment: SegmentInfo) -> Vec<SegmentInfo> {
+        let Some(range) = self.ranges.iter().find(|r| r.base == segment.address) else { return vec![segment] };
+        let blocks = &segment.blocks;
+        let mut first = 0;
+        let mut out = Vec::new();
+        for run in range.runs(0..segment.size >> self.page_shift, true) {
+            let (start, end) = (range.base + (run.start << self.page_shift), range.base + (run.end << self.page_shift));
+            // Blocks are in address order; one that reaches past this run also starts the next.
+            while blocks[first].address + blocks[first].size <= start {
+                first += 1;
+            }
+            let pieces = blocks[first..]
+                .iter()
+                .take_while(|b| b.address < end)
+                .map(|b| {
+                    let (from, to) = (b.address.max(start), (b.address + b.size).min(end));
+                    let whole = (from, to) == (b.address, b.address + b.size);
+                    // Blocks in use are mapped whole (checked by `check`): only free ones are cut.
+                    debug_assert!(whole || b.state == BlockState::Free);
+                    BlockInfo { address: from, size: to - from, requested: if whole { b.requested } else { 0 }, ..*b }
+                })
+                .collect();
+            let size = end - start;
+            let (kind, stream) = (segment.kind, segment.stream);
+            out.push(SegmentInfo {
+                address: start,
+                size,
+                mapped: size,
+                expandable: true,
+                kind,
+                stream,
+                blocks: pieces,
+            });
+        }
+        out
+    }
+
+    /// Bytes of `[address, address + size)` (inside the range at `base`) on mapped pages.
+    fn mapped_within(&self, range: &Range, address: u64, size: u64) -> u64 {
+        let first = (address - range.base) >> self.page_shift;
+        let end = (address + size - range.base).div_ceil(self.page_size);
+        range
+            .runs(first..end, true)
+            .iter()
+            .map(|run| {
+                let (from, to) = (range.base + run.start * self.page_size, range.base + run.end * self.page_size);
+                to.min(address + size) - from.max(address)
+            })
+            .sum()
+    }
+
+    /// The largest request the ranges could serve now: a free block, as far as its mapped pages
+    /// plus `available` bytes of new pages (what the device and the pool's limit still give) back
+    /// it. Free address space alone is not memory. O(free blocks); for error reports.
+    pub fn largest_servable(&self, heap: &Heap, available: u64) -> u64 {
+        let mut largest = 0;
+        for range in &self.ranges {
+            for (_, b) in heap.free_blocks(range.segment) {
+                let mapped = self.mapped_within(range, b.address, b.size);
+                largest = largest.max(b.size.min(mapped.saturating_add(available)));
+            }
+        }
+        largest
+    }
+
     /// Forgets the range at `address` after the heap released its (fully free, unmapped) segment.
     pub fn forget(&mut self, address: u64) {
         self.ranges.retain(|r| r.base != address);
@@ -325,6 +427,10 @@ impl Expandable {
             let pages: u64 = range.mapped.iter().map(|w| w.count_ones() as u64).sum();
             if pages * self.page_size != heap.mapped_bytes(range.segment) {
                 return Err(format!("range {:#x}: page map and heap disagree on mapped bytes", range.base));
+            }
+            let runs = range.runs(0..range.mapped.len() as u64 * 64, true).len();
+            if runs != heap.mapped_runs(range.segment) as usize {
+                return Err(format!("range {:#x}: page map and heap disagree on mapped runs", range.base));
             }
             for b in seg.blocks.iter().filter(|b| b.state != crate::core::BlockState::Free) {
                 let first = (b.address - range.base) / self.page_size;

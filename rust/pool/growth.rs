@@ -28,7 +28,7 @@ impl<D: Device> Pool<D> {
     }
 
     /// Bytes the device and the limit can still give; `u64::MAX` when unknown.
-    fn available(&self) -> u64 {
+    pub(super) fn available(&self) -> u64 {
         let device = self.device.memory_info().free().unwrap_or(u64::MAX);
         let limit = self.growth.limit.map_or(u64::MAX, |limit| limit.saturating_sub(self.reserved()));
         device.min(limit)

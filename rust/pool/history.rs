@@ -158,14 +158,15 @@ impl<D: Device> Pool<D> {
         }
     }
 
-    /// A user's free of a live block: requested, and completed unless other streams used it
-    /// (then it completes when their events do).
-    pub(super) fn note_free(&mut self, handle: Handle) {
+    /// A user's free of a live block: requested, and completed at once unless the block stays
+    /// pending (`deferred`: other streams' work, or exports of its bytes); then it completes
+    /// when the heap stops holding the block.
+    pub(super) fn note_free(&mut self, handle: Handle, deferred: bool) {
         let Some(history) = self.history.as_mut() else { return };
         let Ok(b) = self.heap.block(handle) else { return };
         history.settle(&self.heap);
         history.record(HistoryAction::FreeRequested, b.address, b.requested, b.stream);
-        if b.has_uses() {
+        if deferred {
             // Freeing bumps the generation once; the pending block keeps that one.
             let generation = handle.generation.wrapping_add(1);
             let (action, address, size, stream) = (HistoryAction::FreeCompleted, b.address, b.requested, b.stream);

@@ -6,16 +6,18 @@ mod deferred;
 mod error;
 mod expandable;
 mod growth;
+mod held;
 mod history;
 mod release;
 mod streams;
 
 pub use config::{parse_size, Backend, Config, ConfigError, CrossStreamReuse, Setting, Strategy, ENV_VAR};
 pub use error::{format_bytes, OomReport, PoolError};
+pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
 
-use crate::core::{BlockState, Handle, Heap, Metric, Released, Rules, SegmentInfo, StatType, Stats, SHARED};
-use crate::device::{Device, DeviceError, StreamId};
+use crate::core::{BlockState, Handle, Heap, Metric, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, SHARED};
+use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
 use expandable::Expandable;
 use growth::Growth;
@@ -41,6 +43,8 @@ pub struct Pool<D: Device> {
     expandable: Option<Expandable>,
     /// Segment sizing state and the memory limit.
     growth: Growth,
+    /// Freed blocks kept pending for their exports (see `held.rs`).
+    held: usize,
 }
 
 impl<D: Device> Pool<D> {
@@ -51,7 +55,8 @@ impl<D: Device> Pool<D> {
         }
         let expandable = config.page_size.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
-        let mut pool = Pool { device, heap, deferred: Deferred::default(), config, history: None, expandable, growth };
+        let mut pool =
+            Pool { device, heap, deferred: Deferred::default(), config, history: None, expandable, growth, held: 0 };
         pool.preallocate();
         pool
     }
@@ -93,14 +98,27 @@ impl<D: Device> Pool<D> {
         Allocation { handle, address, size }
     }
 
-    /// Serves `size` bytes on `stream` from cached memory only; `None` means the device must
-    /// be asked. Callers that must not block (the Python binding holding the GIL) try this first.
+    /// Serves `size` bytes on `stream` from the cache without calling the device (no event
+    /// queries, no page maps); `None` means [`Pool::alloc_on`] must. Callers that hold an
+    /// interpreter lock try this first and release the lock only for the device.
+    #[inline]
     pub fn alloc_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
-        match self.try_cached(size, stream) {
-            // A refused page map is for `alloc_on`'s out-of-memory ladder to handle.
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => Ok(None),
-            other => other,
+        Self::validate(size)?;
+        if !self.deferred.is_idle() {
+            return Ok(None);
         }
+        let rounded = self.heap.rules().round(size);
+        let Some(id) = self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)) else {
+            return Ok(None);
+        };
+        if let Some(pages) = self.expandable.as_ref() {
+            let block = self.heap.block_at(id);
+            if !pages.is_backed(self.heap.segment_of(id), block.address, rounded) {
+                return Ok(None);
+            }
+        }
+        let (handle, address) = self.heap.take_block(id, size, rounded, stream);
+        Ok(Some(self.allocation(handle, address, size, stream)))
     }
 
     fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
@@ -180,6 +198,13 @@ impl<D: Device> Pool<D> {
     /// searched again (PyTorch forgets to) and the device asked once more (a device may refuse
     /// transiently, so that happens even if nothing was freed).
     pub fn alloc_on(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
+        Self::validate(size)?;
+        // More than the device or the pool's limit could ever hold: no cache flush can help, and
+        // no bookkeeping is set up for it.
+        let ceiling = self.growth.limit.into_iter().chain(self.device.memory_info().total).min();
+        if ceiling.is_some_and(|most| self.heap.rules().round(size) > most) {
+            return Err(self.out_of_memory(size, stream));
+        }
         match self.try_cached(size, stream).and_then(|cached| match cached {
             Some(a) => Ok(a),
             None => self.grow(size, stream),
@@ -206,13 +231,16 @@ impl<D: Device> Pool<D> {
             other => other,
         };
         match retried {
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {
-                self.heap.stats_mut().num_ooms += 1;
-                self.note(HistoryAction::Oom, self.device.memory_info().free().unwrap_or(0), size, stream);
-                Err(PoolError::OutOfMemory(Box::new(self.oom_report(size))))
-            }
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => Err(self.out_of_memory(size, stream)),
             done => done,
         }
+    }
+
+    /// Counts and records a request for `size` bytes that failed for good; returns its error.
+    fn out_of_memory(&mut self, size: u64, stream: StreamId) -> PoolError {
+        self.heap.stats_mut().num_ooms += 1;
+        self.note(HistoryAction::Oom, self.device.memory_info().free().unwrap_or(0), size, stream);
+        PoolError::OutOfMemory(Box::new(self.oom_report(size)))
     }
 
     /// Expandable ranges' last resort: place the block where it needs the fewest new pages.
@@ -259,7 +287,10 @@ impl<D: Device> Pool<D> {
             device_free: info.free(),
             allocated: stat(Metric::AllocatedBytes),
             reserved: stat(Metric::ReservedBytes),
-            largest_free_block: self.heap.largest_free_block(),
+            largest_free_block: match self.expandable.as_ref() {
+                Some(pages) => pages.largest_servable(&self.heap, self.available()),
+                None => self.heap.largest_free_block(),
+            },
             limit: self.growth.limit,
             strategy: self.config.strategy.name(),
             max_split_size: Some(self.rules().max_split_size).filter(|&m| m != u64::MAX),
@@ -268,19 +299,46 @@ impl<D: Device> Pool<D> {
     }
 
     /// Returns an allocation's block to the cache. A block used on other streams waits for
-    /// events recorded on them now; otherwise the device is not called.
+    /// events recorded on them now; otherwise the device is not called, unless the release
+    /// watermark gives memory back. An error means nothing changed: the handle is still live.
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
-        self.note_free(handle);
+        let uses = self.heap.block(handle)?.uses;
+        // Events first: if the device refuses one, the free has not happened and can be retried.
+        let waits =
+            if uses == 0 { Vec::new() } else { self.deferred.record_waits(&mut self.device, handle.index, uses)? };
+        self.note_free(handle, !waits.is_empty());
         match self.heap.release(handle)? {
             Released::Cached { segment } => self.after_free(segment),
-            Released::Pending { id, uses, segment } => {
-                if self.deferred.defer(&mut self.device, id, uses)? {
-                    return Ok(());
-                }
-                self.heap.complete_pending(id);
-                self.after_free(segment)
-            }
+            Released::Pending { id, segment, .. } => self.wait_or_cache(id, segment, waits),
         }
+        Ok(())
+    }
+
+    /// Pending block `id` waits for `waits`, or, with nothing to wait for, returns to the cache.
+    fn wait_or_cache(&mut self, id: u32, segment: SegmentId, waits: Vec<(StreamId, EventId)>) {
+        if waits.is_empty() {
+            self.deferred.forget_uses(id);
+            self.heap.complete_pending(id);
+            self.after_free(segment);
+        } else {
+            self.deferred.attach(id, waits);
+        }
+    }
+
+    /// Whether freeing `handle` now would call the device (events for other streams' uses, or
+    /// memory given back past the watermark): callers that hold an interpreter lock release it
+    /// first only then.
+    pub fn free_calls_device(&self, handle: Handle) -> Result<bool, PoolError> {
+        let block = self.heap.block(handle)?;
+        if block.has_uses() {
+            return Ok(true);
+        }
+        let Some(threshold) = self.config.release_threshold else { return Ok(false) };
+        // After the free, `size` more bytes are free; over the watermark something goes back.
+        let reserved = self.reserved();
+        let active = self.heap.stats().get(Metric::ActiveBytes, StatType::All).current;
+        let free_after = reserved - (active - block.size);
+        Ok(free_after as f64 > threshold * reserved as f64)
     }
 
     /// The address and block size of a live allocation.
@@ -309,13 +367,16 @@ impl<D: Device> Pool<D> {
             None => 0,
         };
         self.note_page_calls(DEFAULT_STREAM);
-        for (address, size) in self.heap.release_free_segments() {
+        // The device goes first: a refusal leaves the segment cached and the heap in agreement.
+        for (sid, address, size) in self.heap.free_segments() {
             if let Some(pages) = self.expandable.as_mut().filter(|p| p.is_range(address)) {
-                pages.forget(address);
                 self.device.unreserve(address)?;
+                pages.forget(address);
+                self.heap.remove_segment(sid);
                 continue;
             }
             self.device.release(address)?;
+            self.heap.remove_segment(sid);
             self.heap.stats_mut().num_device_free += 1;
             self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
             bytes += size;
@@ -323,8 +384,14 @@ impl<D: Device> Pool<D> {
         Ok(bytes)
     }
 
+    /// Every segment with its blocks, by address, as PyTorch's snapshots show them: a paged
+    /// range appears as one segment per contiguous mapped run, so sizes add up to reserved bytes.
     pub fn segments(&self) -> Vec<SegmentInfo> {
-        self.heap.segments()
+        let segments = self.heap.segments();
+        match self.expandable.as_ref() {
+            Some(pages) => segments.into_iter().flat_map(|s| pages.split_by_mapping(s)).collect(),
+            None => segments,
+        }
     }
 
     /// The heap's invariants, plus: the device holds exactly the reserved bytes.
@@ -335,9 +402,11 @@ impl<D: Device> Pool<D> {
         if held != reserved {
             return Err(format!("device holds {held} bytes but the pool reserves {reserved}"));
         }
-        let pending = self.segments().iter().flat_map(|s| &s.blocks).filter(|b| b.state == BlockState::Pending).count();
-        if pending != self.deferred.pending_blocks() {
-            return Err(format!("{pending} blocks are pending but {} wait on events", self.deferred.pending_blocks()));
+        let pending =
+            self.heap.segments().iter().flat_map(|s| &s.blocks).filter(|b| b.state == BlockState::Pending).count();
+        let (waiting, held) = (self.deferred.pending_blocks(), self.held);
+        if pending != waiting + held {
+            return Err(format!("{pending} blocks are pending but {waiting} wait on events and {held} are held"));
         }
         self.expandable.as_ref().map_or(Ok(()), |pages| pages.check(&self.heap))
     }

@@ -11,8 +11,14 @@ use crate::device::Device;
 impl<D: Device> Pool<D> {
     /// The release watermark, after a free that left memory in `segment`: while free-but-reserved
     /// bytes exceed `release_threshold` of reserved bytes, idle segments go back to the device,
-    /// oldest first. O(1) unless there is something to release.
-    pub(super) fn after_free(&mut self, segment: SegmentId) -> Result<(), PoolError> {
+    /// oldest first. O(1) unless there is something to release. The free itself has happened:
+    /// a device that refuses to take memory back leaves it cached (the heap and the device still
+    /// agree), and the next `empty_cache` reports the refusal.
+    pub(super) fn after_free(&mut self, segment: SegmentId) {
+        let _ = self.release_past_watermark(segment);
+    }
+
+    fn release_past_watermark(&mut self, segment: SegmentId) -> Result<(), PoolError> {
         let Some(threshold) = self.config.release_threshold else { return Ok(()) };
         if self.expandable.is_some() {
             // Expandable ranges give back pages, not segments.
@@ -104,10 +110,13 @@ impl<D: Device> Pool<D> {
         Ok(released >= wanted)
     }
 
-    /// Returns idle segment `sid` to the device; returns its size.
+    /// Returns idle segment `sid` to the device; returns its size. The device goes first: if it
+    /// refuses, the segment stays cached and the heap still agrees with it.
     fn give_back(&mut self, sid: SegmentId) -> Result<u64, PoolError> {
-        let (address, size) = self.heap.release_idle_segment(sid);
+        debug_assert!(self.heap.is_idle(sid), "segment {sid} is not idle");
+        let (address, size) = self.heap.segment_extent(sid);
         self.device.release(address)?;
+        self.heap.remove_segment(sid);
         self.heap.stats_mut().num_device_free += 1;
         self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
         Ok(size)

@@ -44,9 +44,11 @@ impl<D: Device> Pool<D> {
         Ok(())
     }
 
-    /// Waits for every pending event: pending blocks become free and, unless cross-stream reuse
-    /// is off, every stream's free blocks become shared.
+    /// Waits for all work on every stream of the device, as a device synchronize does: pending
+    /// blocks become free and, unless cross-stream reuse is off, every stream's free blocks
+    /// become shared.
     pub fn synchronize(&mut self) -> Result<(), PoolError> {
+        self.device.synchronize_device()?;
         // Pending blocks first: completing them frees blocks that the fences must then cover.
         self.deferred.poll(&mut self.device, &mut self.heap, true)?;
         if self.config.cross_stream_reuse != super::CrossStreamReuse::Never {

@@ -354,6 +354,13 @@ CUresult cuStreamSynchronize(struct stream *s) {
     LEAVE;
 }
 
+CUresult cuCtxSynchronize(void) {
+    ENTER(1);
+    for (int e = 0; e < MAX_ITEMS; e++)
+        if (events[e]) events[e]->pending = 0;
+    LEAVE;
+}
+
 CUresult cuStreamWaitEvent(struct stream *s, struct event *e, unsigned int flags) {
     ENTER(1);
     if (!stream_ok(s) || find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);

@@ -31,6 +31,7 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuStreamDestroy_v2",
     "cuStreamQuery",
     "cuStreamSynchronize",
+    "cuCtxSynchronize",
     "cuStreamWaitEvent",
     "cuEventCreate",
     "cuEventRecord",

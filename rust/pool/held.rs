@@ -1,0 +1,110 @@
+//! Held frees: blocks their users freed while exports of their bytes (array views, DLPack
+//! capsules) are still alive.
+//!
+//! Such a free ends the allocation at once (the block stops counting as allocated, a second free
+//! is a double free) but keeps the bytes where they are: the block stays pending, active and
+//! neither reused nor unmapped, like a free waiting on another stream's work, until whoever
+//! counted the exports releases it. Only then does the usual free path run (events for other
+//! streams' uses, the cache, the release watermark).
+
+use super::{Pool, PoolError};
+use crate::core::Handle;
+use crate::device::Device;
+
+/// A freed block whose bytes are still referenced. Not `Clone`: it is released exactly once.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a held block stays pending until released"]
+pub struct HeldBlock {
+    id: u32,
+}
+
+impl<D: Device> Pool<D> {
+    /// Frees `handle` for its user while keeping its bytes: pass the result to
+    /// [`Pool::release_held`] once nothing references them. An error means nothing changed.
+    pub fn free_held(&mut self, handle: Handle) -> Result<HeldBlock, PoolError> {
+        self.heap.block(handle)?;
+        self.note_free(handle, true);
+        let id = self.heap.hold(handle)?;
+        self.held += 1;
+        Ok(HeldBlock { id })
+    }
+
+    /// The last reference to a held block's bytes is gone: it is freed as [`Pool::free`] would,
+    /// waiting for other streams that used it. If the device refuses to record those waits, the
+    /// whole device is synchronized instead (nothing can then still use the block); if it refuses
+    /// that too, the block stays held and the error is returned with the block to retry with.
+    pub fn release_held(&mut self, block: HeldBlock) -> Result<(), (HeldBlock, PoolError)> {
+        let id = block.id;
+        let (uses, segment) = {
+            let b = self.heap.block_at(id);
+            (b.uses, b.segment)
+        };
+        let waits = match self.deferred.record_waits(&mut self.device, id, uses) {
+            Ok(waits) => waits,
+            Err(_) => match self.device.synchronize_device() {
+                Ok(()) => Vec::new(),
+                Err(e) => return Err((block, e.into())),
+            },
+        };
+        self.held -= 1;
+        self.wait_or_cache(id, segment, waits);
+        Ok(())
+    }
+
+    /// How many freed blocks are held for their exports.
+    pub fn held_blocks(&self) -> usize {
+        self.held
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::{Metric, StatType};
+    use crate::device::Sim;
+    use crate::pool::Config;
+
+    fn current(pool: &Pool<Sim>, metric: Metric) -> u64 {
+        pool.stats().get(metric, StatType::All).current
+    }
+
+    #[test]
+    fn a_held_block_is_active_not_allocated_and_not_reused_until_released() {
+        for strategy in ["default", "pytorch", "expandable", "bfc"] {
+            let mut pool = Pool::new(Sim::new(1 << 30), Config::parse(&format!("strategy:{strategy}")).unwrap());
+            let a = pool.alloc(4 << 20).unwrap();
+            let block = pool.free_held(a.handle).unwrap();
+            assert_eq!(current(&pool, Metric::AllocatedBytes), 0, "{strategy}");
+            assert!(current(&pool, Metric::ActiveBytes) >= 4 << 20, "{strategy}");
+            assert!(pool.free(a.handle).is_err(), "{strategy}: a second free is a double free");
+            pool.check_invariants().unwrap();
+            let b = pool.alloc(4 << 20).unwrap();
+            assert_ne!(b.address, a.address, "{strategy}: held bytes were handed out again");
+            pool.empty_cache().unwrap();
+            pool.check_invariants().unwrap();
+            assert!(current(&pool, Metric::ReservedBytes) >= 8 << 20, "{strategy}: held bytes were given back");
+            pool.release_held(block).unwrap();
+            assert_eq!(current(&pool, Metric::ActiveBytes), current(&pool, Metric::AllocatedBytes));
+            pool.check_invariants().unwrap();
+            pool.free(b.handle).unwrap();
+            let c = pool.alloc(4 << 20).unwrap();
+            assert!(c.address == a.address || c.address == b.address, "{strategy}: the cache is reused");
+        }
+    }
+
+    #[test]
+    fn a_held_block_used_on_a_busy_stream_waits_for_it_after_release() {
+        let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:pytorch").unwrap());
+        let side = pool.create_stream().unwrap();
+        let a = pool.alloc(1 << 20).unwrap();
+        pool.record_stream(a.handle, side).unwrap();
+        pool.hold_stream(side).unwrap();
+        let block = pool.free_held(a.handle).unwrap();
+        pool.release_held(block).unwrap();
+        assert_eq!(pool.pending_bytes(), 1 << 20, "still waiting for the side stream");
+        pool.check_invariants().unwrap();
+        pool.synchronize().unwrap();
+        assert_eq!(pool.pending_bytes(), 0);
+        pool.check_invariants().unwrap();
+    }
+}
