@@ -33,11 +33,13 @@ class DevicePtr:
     @property
     def freed(self) -> bool: ...
     @property
-    def __array_interface__(self) -> dict[str, Any]:
-        """Version 3 uint8 view of the allocation; host device only."""
+    def exports(self) -> int:
+        """Live exports of the bytes (arrays, views, DLPack capsules)."""
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        """A zero-copy uint8 NumPy array (host device only); it pins the bytes while alive."""
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        """Version 3 uint8 view with the allocation's stream; CUDA devices only."""
+        """Version 3 uint8 view with the allocation's stream; CUDA devices only. Not a pin."""
     def __dlpack__(
         self,
         *,
@@ -46,13 +48,15 @@ class DevicePtr:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> Any:
-        """A DLPack capsule of the bytes (host and CUDA); it keeps this pointer alive."""
+        """A DLPack capsule of the bytes (host and CUDA); it pins them until the consumer is done."""
     def __dlpack_device__(self) -> tuple[int, int]: ...
     def view(self, dtype: Any, shape: int | tuple[int, ...] | None = None) -> View:
         """The memory as ``shape`` elements of ``dtype`` with the same array protocols."""
+    def _export(self) -> Export: ...
     def __int__(self) -> int: ...
+    def __index__(self) -> int: ...
     def free(self) -> None:
-        """Returns the memory to its pool; a second call raises ValueError."""
+        """Returns the memory to its pool (held while exports live); a second call raises ValueError."""
     def __enter__(self) -> DevicePtr: ...
     def __exit__(
         self,
@@ -61,9 +65,36 @@ class DevicePtr:
         traceback: TracebackType | None,
     ) -> None: ...
     def copy_from_host(self, data: Buffer, offset: int = 0) -> None: ...
-    def copy_to_host(self) -> bytes: ...
+    def copy_to_host(self, offset: int = 0, size: int | None = None) -> bytes: ...
     def record_stream(self, stream: Stream) -> None:
         """Marks use on another stream: freeing waits for that stream's queued work."""
+
+class Export:
+    """A live export of an allocation's bytes: they are neither reused nor unmapped while it lives."""
+
+    @property
+    def ptr(self) -> DevicePtr: ...
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def _dlpack(
+        self,
+        code: int,
+        bits: int,
+        shape: list[int],
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+    ) -> Any: ...
 
 class Pool:
     """A caching pool over one device."""
@@ -73,7 +104,7 @@ class Pool:
         device: str | None = None,
         capacity: int | str | None = None,
         config: str | None = None,
-        inject_faults: dict[str, float | int] | None = None,
+        inject_faults: dict[str, float | int | str | list[str]] | None = None,
     ) -> None:
         """``device`` is ``host``, ``sim`` or ``cuda:N``; by default ``cuda:0`` when usable, else ``host``."""
     @property

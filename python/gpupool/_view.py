@@ -39,14 +39,16 @@ def _typestr(dtype: Any) -> str:
 
 
 class View:
-    """``shape`` elements of ``dtype`` at the start of ``ptr``, C-contiguous; it keeps ``ptr`` alive.
+    """``shape`` elements of ``dtype`` at the start of ``ptr``, C-contiguous.
 
     It speaks ``__array_interface__`` (host memory), ``__cuda_array_interface__`` (CUDA memory) and
     DLPack (both), so ``numpy.asarray``, ``numpy.from_dlpack``, ``cupy.asarray``,
-    ``torch.from_dlpack`` and ``numba.cuda.as_cuda_array`` wrap it without copying.
+    ``torch.from_dlpack`` and ``numba.cuda.as_cuda_array`` wrap it without copying. A view is an
+    export: while it (or an array made from it) is alive, its bytes are neither reused nor unmapped,
+    even after ``ptr.free()``.
     """
 
-    __slots__ = ("ptr", "typestr", "shape")
+    __slots__ = ("ptr", "typestr", "shape", "_export")
 
     def __init__(self, ptr: DevicePtr, dtype: Any, shape: int | tuple[int, ...] | None = None) -> None:
         typestr = _typestr(dtype)
@@ -63,6 +65,7 @@ class View:
         self.ptr = ptr
         self.typestr = typestr
         self.shape = shape
+        self._export = ptr._export()
 
     @property
     def nbytes(self) -> int:
@@ -70,11 +73,11 @@ class View:
 
     @property
     def __array_interface__(self) -> dict[str, Any]:
-        return {**self.ptr.__array_interface__, "shape": self.shape, "typestr": self.typestr}
+        return {**self._export.__array_interface__, "shape": self.shape, "typestr": self.typestr}
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {**self.ptr.__cuda_array_interface__, "shape": self.shape, "typestr": self.typestr}
+        return {**self._export.__cuda_array_interface__, "shape": self.shape, "typestr": self.typestr}
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self.ptr.__dlpack_device__()
@@ -93,7 +96,7 @@ class View:
             raise BufferError(f"cannot export memory of '{self.ptr.device}' to {dl_device}")
         code = _DLPACK_CODES[self.typestr[1]]
         bits = 8 * int(self.typestr[2:])
-        return self.ptr._dlpack(code, bits, list(self.shape), stream, max_version)
+        return self._export._dlpack(code, bits, list(self.shape), stream, max_version)
 
     def __repr__(self) -> str:
         return f"View({self.ptr!r}, dtype={self.typestr!r}, shape={self.shape})"

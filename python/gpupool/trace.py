@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import pickle
 from collections.abc import Iterator, Mapping
@@ -100,8 +101,11 @@ def _read_pickle(path: PathLike) -> Any:
     with open(path, "rb") as raw:
         compressed = raw.read(2) == _GZIP_MAGIC
     try:
+        # From memory, not from the file: a damaged length prefix then fails at once instead of
+        # making the unpickler allocate (and zero) gigabytes for a read that comes up short.
         with gzip.open(path, "rb") if compressed else open(path, "rb") as file:
-            return _PlainUnpickler(file).load()
+            data = io.BytesIO(file.read())
+        return _PlainUnpickler(data).load()
     # A damaged pickle fails in many ways (truncation, bad opcodes, stack underflow); to the
     # caller they all mean the same.
     except Exception as error:

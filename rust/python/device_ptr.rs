@@ -1,61 +1,132 @@
 //! `gpupool.DevicePtr`: one allocation; it keeps its pool alive and frees itself when dropped.
+//!
+//! Its bytes have other holders too: every live export ([`PyExport`]: NumPy arrays, views,
+//! DLPack capsules). A free while exports are alive ends the allocation but holds the bytes
+//! (see `rust/pool/held.rs`) until the last export is gone. Every change to that lifetime
+//! state happens under the pool's lock, so it is ordered with the pool's own.
 
-use super::dlpack::DataType;
 use super::error::{pool_error, size_arg, value_error};
+use super::export::PyExport;
 use super::interop;
-use super::pool::Shared;
+use super::pool::{DevicePool, Shared};
 use super::stream::PyStream;
 use crate::core::Handle;
-use crate::pool::Allocation;
-use pyo3::exceptions::{PyAttributeError, PyBufferError};
+use crate::device::{Device, StreamId};
+use crate::pool::{Allocation, HeldBlock};
+use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyCapsule, PyDict};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use pyo3::types::{PyBytes, PyDict};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 
 #[pyclass(name = "DevicePtr", module = "gpupool._native", frozen)]
 pub struct PyDevicePtr {
     shared: Arc<Shared>,
     address: u64,
     size: u64,
+    stream: StreamId,
     /// `None` for zero-size allocations, which own no block.
     handle: Option<Handle>,
+    /// Set once the user freed it (changed under the pool's lock; read without it).
     freed: AtomicBool,
+    /// Live exports of the bytes (changed under the pool's lock).
+    exports: AtomicU32,
+    /// The block a free left held for the exports (taken under the pool's lock).
+    held: Mutex<Option<HeldBlock>>,
 }
 
 impl PyDevicePtr {
-    pub fn new(shared: Arc<Shared>, a: Allocation) -> Self {
-        PyDevicePtr { shared, address: a.address, size: a.size, handle: Some(a.handle), freed: AtomicBool::new(false) }
+    pub fn new(shared: Arc<Shared>, a: Allocation, stream: StreamId) -> Self {
+        Self::with(shared, a.address, a.size, stream, Some(a.handle))
     }
 
-    pub fn empty(shared: Arc<Shared>) -> Self {
-        PyDevicePtr { shared, address: 0, size: 0, handle: None, freed: AtomicBool::new(false) }
+    pub fn empty(shared: Arc<Shared>, stream: StreamId) -> Self {
+        Self::with(shared, 0, 0, stream, None)
+    }
+
+    fn with(shared: Arc<Shared>, address: u64, size: u64, stream: StreamId, handle: Option<Handle>) -> Self {
+        let (freed, exports, held) = (AtomicBool::new(false), AtomicU32::new(0), Mutex::new(None));
+        PyDevicePtr { shared, address, size, stream, handle, freed, exports, held }
     }
 
     pub fn belongs_to(&self, shared: &Arc<Shared>) -> bool {
         Arc::ptr_eq(&self.shared, shared)
     }
 
-    /// Frees once; the flag flips before the pool lock is taken, so a racing second free fails.
-    pub fn release(&self) -> PyResult<()> {
-        if self.freed.swap(true, Ordering::AcqRel) {
+    /// Frees once. The pointer counts as freed only once the pool has freed it: an error leaves
+    /// it live, so the free can be retried. With exports alive the bytes are held for them.
+    pub fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(handle) = self.handle else {
+            let _pool = self.shared.lock(py)?;
+            return self.end(|| Ok(()));
+        };
+        let mut pool = self.shared.lock(py)?;
+        // The common free touches no device: keep the GIL, it is cheaper than a release.
+        if self.exports.load(Ordering::Relaxed) > 0 || !pool.free_calls_device(handle).unwrap_or(false) {
+            return self.free_locked(&mut pool, handle);
+        }
+        drop(pool);
+        py.detach(|| self.free_locked(&mut *self.shared.lock_detached()?, handle))
+    }
+
+    /// Marks the pointer freed if `free` succeeds; a second free is a double free.
+    fn end(&self, free: impl FnOnce() -> PyResult<()>) -> PyResult<()> {
+        if self.freed.load(Ordering::Relaxed) {
             return Err(value_error(format!("double free of DevicePtr {:#x}", self.address)));
         }
-        match self.handle {
-            Some(handle) => self.shared.lock()?.free(handle).map_err(pool_error),
-            None => Ok(()),
-        }
+        free()?;
+        self.freed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn free_locked(&self, pool: &mut DevicePool, handle: Handle) -> PyResult<()> {
+        self.end(|| {
+            if self.exports.load(Ordering::Relaxed) == 0 {
+                return pool.free(handle).map_err(pool_error);
+            }
+            let held = pool.free_held(handle).map_err(pool_error)?;
+            *self.held.lock().unwrap_or_else(|e| e.into_inner()) = Some(held);
+            Ok(())
+        })
+    }
+
+    /// A new export of the bytes; they stay put until it is dropped.
+    pub fn pin(slf: &Bound<'_, Self>) -> PyResult<PyExport> {
+        let this = slf.get();
+        let _pool = this.shared.lock(slf.py())?;
+        this.check_live()?;
+        this.exports.fetch_add(1, Ordering::Relaxed);
+        Ok(PyExport::new(slf.clone().unbind()))
+    }
+
+    /// An export is gone. The last one of a freed pointer releases the held block; the device
+    /// may be called then (other streams' uses), so the interpreter is detached for it.
+    pub fn unpin(&self, py: Python<'_>) -> PyResult<()> {
+        let shared = &self.shared;
+        py.detach(|| {
+            let mut pool = shared.lock_detached()?;
+            if self.exports.fetch_sub(1, Ordering::Relaxed) != 1 {
+                return Ok(());
+            }
+            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(block) = held.take() else { return Ok(()) };
+            pool.release_held(block).map_err(|(block, e)| {
+                *held = Some(block);
+                pool_error(e)
+            })
+        })
     }
 
     /// Marks this allocation as used on `stream` (see `Pool.record_stream`).
-    pub fn record_stream(&self, stream: &PyStream) -> PyResult<()> {
+    pub fn record_stream(&self, py: Python<'_>, stream: &PyStream) -> PyResult<()> {
         let id = stream.id_for(&self.shared)?;
-        let mut pool = self.shared.lock()?;
-        self.check_live()?;
-        match self.handle {
-            Some(handle) => pool.record_stream(handle, id).map_err(pool_error),
-            None => Ok(()),
-        }
+        let Some(handle) = self.handle else { return self.check_live() };
+        // Recording a use asks the device whether the stream exists.
+        py.detach(|| {
+            let mut pool = self.shared.lock_detached()?;
+            self.check_live()?;
+            pool.record_stream(handle, id).map_err(pool_error)
+        })
     }
 
     fn check_live(&self) -> PyResult<()> {
@@ -65,23 +136,11 @@ impl PyDevicePtr {
         Ok(())
     }
 
-    fn export<'py>(
-        slf: &Bound<'py, Self>,
-        dtype: DataType,
-        shape: Vec<i64>,
-        stream: Option<i64>,
-        max_version: Option<(u32, u32)>,
-    ) -> PyResult<Bound<'py, PyCapsule>> {
-        let this = slf.get();
-        this.check_live()?;
-        this.memory().dlpack(slf.py(), slf.clone().into_any().unbind(), dtype, shape, stream, max_version)
+    pub fn memory(&self) -> interop::Memory<'_> {
+        interop::Memory { shared: &self.shared, address: self.address, size: self.size, stream: self.stream }
     }
 
-    fn memory(&self) -> interop::Memory<'_> {
-        interop::Memory { shared: &self.shared, address: self.address, size: self.size, handle: self.handle }
-    }
-
-    fn check_host(&self) -> PyResult<()> {
+    pub fn check_host(&self) -> PyResult<()> {
         if !self.shared.host_accessible {
             return Err(PyAttributeError::new_err(format!(
                 "memory on device '{}' is not host-accessible",
@@ -90,14 +149,31 @@ impl PyDevicePtr {
         }
         Ok(())
     }
+
+    /// Checks that `len` bytes at `offset` lie inside the allocation.
+    fn check_span(&self, offset: u64, len: u64) -> PyResult<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.size) {
+            return Err(value_error(format!(
+                "{len} bytes at offset {offset} do not fit in an allocation of {} bytes",
+                self.size
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Drop for PyDevicePtr {
     fn drop(&mut self) {
-        if !self.freed.load(Ordering::Acquire) {
-            // Errors cannot surface from a destructor; the pool stays consistent either way.
-            let _ = self.release();
+        if self.freed.load(Ordering::Acquire) {
+            return;
         }
+        // Exports hold a reference to this pointer, so none is alive now: a plain free.
+        Python::attach(|py| {
+            if let Err(e) = self.release(py) {
+                // As CPython does for errors in `__del__`.
+                e.write_unraisable(py, None);
+            }
+        });
     }
 }
 
@@ -141,13 +217,19 @@ impl PyDevicePtr {
         self.freed.load(Ordering::Acquire)
     }
 
-    fn free(&self) -> PyResult<()> {
-        self.release()
+    /// Live exports of the bytes (arrays, views, DLPack capsules).
+    #[getter]
+    fn exports(&self) -> u32 {
+        self.exports.load(Ordering::Acquire)
+    }
+
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
+        self.release(py)
     }
 
     #[pyo3(name = "record_stream")]
-    fn py_record_stream(&self, stream: &PyStream) -> PyResult<()> {
-        self.record_stream(stream)
+    fn py_record_stream(&self, py: Python<'_>, stream: &PyStream) -> PyResult<()> {
+        self.record_stream(py, stream)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -155,11 +237,11 @@ impl PyDevicePtr {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyAny>) -> PyResult<()> {
         if self.freed() {
             return Ok(());
         }
-        self.release()
+        self.release(py)
     }
 
     fn __repr__(&self) -> String {
@@ -167,20 +249,31 @@ impl PyDevicePtr {
         format!("DevicePtr({:#x}, size={}, device='{}'{state})", self.address, self.size, self.shared.device)
     }
 
-    /// A zero-copy uint8 view for numpy (host memory only).
-    #[getter]
-    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.check_host()?;
-        self.check_live()?;
-        let d = PyDict::new(py);
-        d.set_item("shape", (self.size,))?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("data", (self.address, false))?;
-        d.set_item("version", 3)?;
-        Ok(d)
+    /// A zero-copy uint8 NumPy array of the bytes (host memory only). It is an export: the bytes
+    /// stay put while the array (or any view of it) is alive, even after `free()`.
+    #[pyo3(signature = (dtype = None, copy = None))]
+    fn __array__<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        slf.get().check_host()?;
+        let export = Bound::new(slf.py(), Self::pin(slf)?)?;
+        let array = slf.py().import("numpy")?.call_method1("asarray", (export,))?;
+        match (dtype.filter(|d| !d.is_none()), copy) {
+            (Some(dtype), _) => array.call_method1("astype", (dtype,)),
+            (None, Some(true)) => array.call_method0("copy"),
+            (None, _) => Ok(array),
+        }
     }
 
-    /// A zero-copy uint8 view for CuPy, Numba and PyTorch (CUDA memory only).
+    /// An export of the bytes with the array protocols and DLPack (see `gpupool.View`).
+    fn _export(slf: &Bound<'_, Self>) -> PyResult<PyExport> {
+        Self::pin(slf)
+    }
+
+    /// A zero-copy uint8 view for CuPy, Numba and PyTorch (CUDA memory only). The consumer keeps
+    /// this pointer alive, but the protocol has no release: use `view()` to pin the bytes.
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.check_live()?;
@@ -191,7 +284,7 @@ impl PyDevicePtr {
         interop::dlpack_device(&self.shared)
     }
 
-    /// A DLPack capsule of the bytes; it keeps this pointer (and its memory) alive.
+    /// A DLPack capsule of the bytes; it pins them until the consumer is done.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         slf: &Bound<'py, Self>,
@@ -199,31 +292,14 @@ impl PyDevicePtr {
         max_version: Option<(u32, u32)>,
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
-    ) -> PyResult<Bound<'py, PyCapsule>> {
-        let this = slf.get();
-        if copy == Some(true) {
-            return Err(PyBufferError::new_err("gpupool exports memory without copying"));
-        }
-        if dl_device.is_some_and(|d| d != interop::dlpack_device(&this.shared).unwrap_or((-1, -1))) {
-            return Err(PyBufferError::new_err(format!(
-                "cannot export memory of '{}' to {dl_device:?}",
-                this.shared.device
-            )));
-        }
-        Self::export(slf, DataType::BYTE, vec![this.size as i64], stream, max_version)
-    }
-
-    /// DLPack export as `shape` elements of type (`code`, `bits`), for `view`.
-    #[pyo3(signature = (code, bits, shape, stream = None, max_version = None))]
-    fn _dlpack<'py>(
-        slf: &Bound<'py, Self>,
-        code: u8,
-        bits: u8,
-        shape: Vec<i64>,
-        stream: Option<i64>,
-        max_version: Option<(u32, u32)>,
-    ) -> PyResult<Bound<'py, PyCapsule>> {
-        Self::export(slf, DataType { code, bits, lanes: 1 }, shape, stream, max_version)
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let export = Bound::new(slf.py(), Self::pin(slf)?)?;
+        let kwargs = PyDict::new(slf.py());
+        kwargs.set_item("stream", stream)?;
+        kwargs.set_item("max_version", max_version)?;
+        kwargs.set_item("dl_device", dl_device)?;
+        kwargs.set_item("copy", copy)?;
+        export.call_method("__dlpack__", (), Some(&kwargs))
     }
 
     /// The memory as `shape` elements of `dtype`, with the array protocols (see `gpupool.View`).
@@ -237,34 +313,47 @@ impl PyDevicePtr {
     }
 
     #[pyo3(signature = (data, offset = None))]
-    fn copy_from_host(&self, data: &Bound<'_, PyAny>, offset: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn copy_from_host(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        offset: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let offset = offset.map_or(Ok(0), |o| size_arg(o, "offset"))?;
         let bytes = buffer_bytes(data)?;
-        let end = offset.checked_add(bytes.len() as u64);
-        if end.is_none_or(|end| end > self.size) {
-            return Err(value_error(format!(
-                "{} bytes at offset {offset} do not fit in an allocation of {} bytes",
-                bytes.len(),
-                self.size
-            )));
-        }
+        self.check_span(offset, bytes.len() as u64)?;
         if bytes.is_empty() {
             return self.check_live();
         }
-        // Checking `freed` under the pool lock orders it with a concurrent free.
-        let mut pool = self.shared.lock()?;
-        self.check_live()?;
-        pool.device_mut().write(self.address + offset, &bytes).map_err(|e| value_error(e.to_string()))
+        py.detach(|| {
+            // Checking `freed` under the pool lock orders it with a concurrent free.
+            let mut pool = self.shared.lock_detached()?;
+            self.check_live()?;
+            pool.device_mut().write(self.address + offset, &bytes).map_err(|e| value_error(e.to_string()))
+        })
     }
 
-    fn copy_to_host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        PyBytes::new_with(py, self.size as usize, |out| {
+    /// The bytes, or `size` of them from `offset`, as `bytes`.
+    #[pyo3(signature = (offset = None, size = None))]
+    fn copy_to_host<'py>(
+        &self,
+        py: Python<'py>,
+        offset: Option<&Bound<'py, PyAny>>,
+        size: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let offset = offset.map_or(Ok(0), |o| size_arg(o, "offset"))?;
+        let len = size.map_or(Ok(self.size.saturating_sub(offset)), |s| size_arg(s, "size"))?;
+        self.check_span(offset, len)?;
+        PyBytes::new_with(py, len as usize, |out| {
             if out.is_empty() {
                 return self.check_live();
             }
-            let pool = self.shared.lock()?;
-            self.check_live()?;
-            pool.device().read(self.address, out).map_err(|e| value_error(e.to_string()))
+            // `out` belongs to a bytes object no other thread can see yet.
+            py.detach(|| {
+                let pool = self.shared.lock_detached()?;
+                self.check_live()?;
+                pool.device().read(self.address + offset, out).map_err(|e| value_error(e.to_string()))
+            })
         })
     }
 }

@@ -23,9 +23,17 @@ pub fn pool_error(e: PoolError) -> PyErr {
     }
 }
 
-/// A poisoned lock means a panic interrupted the pool; its state can no longer be trusted.
+/// A poisoned lock means a panic interrupted a device call; its state can no longer be trusted.
 pub fn poisoned<T>(_: T) -> PyErr {
-    PyRuntimeError::new_err("the pool was left inconsistent by an earlier internal panic")
+    PyRuntimeError::new_err("the device was left in an unknown state by an earlier internal panic")
+}
+
+/// A pool that a panic left inconsistent, with the invariant it breaks.
+pub fn poisoned_pool(device: &str, why: &str) -> PyErr {
+    PyRuntimeError::new_err(format!(
+        "the pool on '{device}' is unusable: an earlier call panicked inside it (the PanicException it raised \
+         says where) and left it inconsistent: {why}"
+    ))
 }
 
 /// A non-negative integer size; floats and strings are a TypeError, negatives a ValueError.

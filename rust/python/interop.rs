@@ -4,18 +4,18 @@
 use super::dlpack::{self, DataType};
 use super::error::{pool_error, value_error};
 use super::pool::Shared;
-use crate::core::Handle;
 use crate::device::{Device, StreamId, DEFAULT_STREAM};
 use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
 
-/// One live allocation, as the exports see it.
+/// The bytes of one allocation, as the exports see them.
 pub struct Memory<'a> {
     pub shared: &'a Shared,
     pub address: u64,
     pub size: u64,
-    pub handle: Option<Handle>,
+    /// The stream the allocation was made on: consumers are ordered after it.
+    pub stream: StreamId,
 }
 
 /// `(kDLCUDA, N)` for `cuda:N`, `(kDLCPU, 0)` for host memory.
@@ -34,10 +34,6 @@ fn cuda_ordinal(shared: &Shared) -> Option<i32> {
 }
 
 impl Memory<'_> {
-    fn stream(&self, pool: &super::pool::DevicePool) -> PyResult<StreamId> {
-        self.handle.map_or(Ok(DEFAULT_STREAM), |h| pool.stream_of(h).map_err(pool_error))
-    }
-
     /// Version 3 of the CUDA Array Interface: `typestr`/`shape` describe the bytes, `stream` is
     /// the allocation's stream (1 for the legacy default stream, as the protocol spells it).
     pub fn cuda_array_interface<'py>(
@@ -52,11 +48,8 @@ impl Memory<'_> {
                 self.shared.device
             )));
         }
-        let stream = {
-            let pool = self.shared.lock()?;
-            let id = self.stream(&pool)?;
-            pool.device().stream_handle(id).map(|raw| if raw == 0 { 1 } else { raw })
-        };
+        let stream =
+            self.shared.lock(py)?.device().stream_handle(self.stream).map(|raw| if raw == 0 { 1 } else { raw });
         let d = PyDict::new(py);
         d.set_item("shape", shape.to_vec())?;
         d.set_item("typestr", typestr)?;
@@ -100,8 +93,8 @@ impl Memory<'_> {
 
     /// Makes the stream with raw handle `consumer` wait for the work queued on the allocation's.
     fn order_before(&self, consumer: u64) -> PyResult<()> {
-        let mut pool = self.shared.lock()?;
-        let producer = self.stream(&pool)?;
+        let mut pool = self.shared.lock_detached()?;
+        let producer = self.stream;
         let device = pool.device_mut();
         if device.stream_handle(producer) == Some(consumer) {
             return Ok(());

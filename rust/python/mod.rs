@@ -5,6 +5,7 @@ mod device;
 mod device_ptr;
 mod dlpack;
 mod error;
+mod export;
 mod interop;
 mod pool;
 mod replay;
@@ -18,6 +19,7 @@ use pyo3::prelude::*;
 fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::PyPool>()?;
     m.add_class::<device_ptr::PyDevicePtr>()?;
+    m.add_class::<export::PyExport>()?;
     m.add_class::<device::PyDevice>()?;
     m.add_class::<stream::PyStream>()?;
     m.add_class::<trace::PyTrace>()?;

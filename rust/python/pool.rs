@@ -3,19 +3,19 @@
 use super::cuda::default_device;
 use super::device::{capacity_arg, open_device_mode};
 use super::device_ptr::PyDevicePtr;
-use super::error::{poisoned, pool_error, size_arg, value_error};
+use super::error::{poisoned_pool, pool_error, size_arg, value_error};
 use super::stream::PyStream;
 use super::trace::device_trace;
 use crate::core::{BlockState, Metric, StatType};
-use crate::device::{Device, FaultPlan, Faulty};
+use crate::device::{Device, FaultPlan, FaultSetting, Faulty};
 use crate::pool::HistoryEntry;
 use crate::pool::{Backend, Config, Pool, Setting, DEFAULT_STREAM, ENV_VAR};
 use crate::trace::{csv, Trace};
 use pyo3::exceptions::{PyAssertionError, PyOSError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 
 pub type DevicePool = Pool<Box<dyn Device>>;
 
@@ -28,8 +28,38 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn lock(&self) -> PyResult<MutexGuard<'_, DevicePool>> {
-        self.pool.lock().map_err(poisoned)
+    /// Locks the pool from a thread attached to the interpreter. If another thread holds the
+    /// lock (over a device call, say), the wait happens detached, so other Python threads run.
+    pub fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, DevicePool>> {
+        loop {
+            match self.pool.try_lock() {
+                Ok(guard) => return Ok(guard),
+                Err(TryLockError::Poisoned(poisoned)) => return self.recover(poisoned),
+                Err(TryLockError::WouldBlock) => py.detach(|| drop(self.pool.lock())),
+            }
+        }
+    }
+
+    /// Locks the pool from a thread detached from the interpreter (inside `py.detach`).
+    pub fn lock_detached(&self) -> PyResult<MutexGuard<'_, DevicePool>> {
+        self.pool.lock().or_else(|poisoned| self.recover(poisoned))
+    }
+
+    /// A panic inside the lock poisons it. If the pool's invariants still hold (the panic came
+    /// before any change, as an injected device fault does), the pool is trusted again;
+    /// otherwise every later call fails with an error that says why.
+    fn recover<'a>(
+        &'a self,
+        poisoned: PoisonError<MutexGuard<'a, DevicePool>>,
+    ) -> PyResult<MutexGuard<'a, DevicePool>> {
+        let guard = poisoned.into_inner();
+        match guard.check_invariants() {
+            Ok(()) => {
+                self.pool.clear_poison();
+                Ok(guard)
+            }
+            Err(why) => Err(poisoned_pool(&self.device, &why)),
+        }
     }
 }
 
@@ -38,34 +68,27 @@ pub struct PyPool {
     shared: Arc<Shared>,
 }
 
+/// `inject_faults`: a dict of [`FaultPlan::from_settings`] keys, its values converted.
 fn fault_plan(spec: &Bound<'_, PyDict>) -> PyResult<FaultPlan> {
-    let get = |key: &str| spec.get_item(key);
-    for key in spec.keys() {
+    let mut settings = Vec::new();
+    for (key, value) in spec.iter() {
         let key: String = key.extract()?;
-        if !matches!(key.as_str(), "nth" | "probability" | "seed") {
-            return Err(value_error(format!(
-                "inject_faults: unknown key '{key}' (use 'nth' or 'probability' and 'seed')"
-            )));
-        }
+        let setting = if value.is_instance_of::<PyBool>() {
+            return Err(value_error(format!("inject_faults: '{key}' takes a number, a name or a list, not a bool")));
+        } else if let Ok(n) = value.extract::<u64>() {
+            FaultSetting::Int(n)
+        } else if let Ok(x) = value.extract::<f64>() {
+            FaultSetting::Float(x)
+        } else if let Ok(text) = value.extract::<String>() {
+            FaultSetting::Text(text)
+        } else if let Ok(names) = value.extract::<Vec<String>>() {
+            FaultSetting::List(names)
+        } else {
+            return Err(value_error(format!("inject_faults: '{key}' has a value of the wrong type")));
+        };
+        settings.push((key, setting));
     }
-    if get("nth")?.is_some() && (get("probability")?.is_some() || get("seed")?.is_some()) {
-        return Err(value_error("inject_faults: give either 'nth' or 'probability' (with 'seed'), not both"));
-    }
-    if let Some(nth) = get("nth")? {
-        let nth: u64 = nth
-            .extract()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| value_error("inject_faults: 'nth' must be a positive int (1 = the first segment)"))?;
-        return Ok(FaultPlan::Nth(nth));
-    }
-    let p: f64 =
-        get("probability")?.ok_or_else(|| value_error("inject_faults needs 'nth' or 'probability'"))?.extract()?;
-    if !(0.0..=1.0).contains(&p) {
-        return Err(value_error(format!("inject_faults: 'probability' must be in [0, 1], got {p}")));
-    }
-    let seed: u64 = get("seed")?.map(|s| s.extract()).transpose()?.unwrap_or(0);
-    Ok(FaultPlan::Probability { p, seed })
+    FaultPlan::from_settings(&settings).map_err(|e| value_error(format!("inject_faults: {e}")))
 }
 
 /// `config`, else the `GPUPOOL_ALLOC_CONF` environment variable, else the defaults.
@@ -110,9 +133,14 @@ fn block_state(state: BlockState) -> &'static str {
 }
 
 impl PyPool {
-    fn stat(&self, metric: Metric) -> PyResult<(u64, u64)> {
-        let s = self.shared.lock()?.stats().get(metric, StatType::All);
+    fn stat(&self, py: Python<'_>, metric: Metric) -> PyResult<(u64, u64)> {
+        let s = self.shared.lock(py)?.stats().get(metric, StatType::All);
         Ok((s.current, s.peak))
+    }
+
+    /// Runs `op` on the pool with the interpreter detached: for anything that may call the device.
+    fn detached<T: Send>(&self, py: Python<'_>, op: impl FnOnce(&mut DevicePool) -> PyResult<T> + Send) -> PyResult<T> {
+        py.detach(|| op(&mut *self.shared.lock_detached()?))
     }
 }
 
@@ -130,17 +158,22 @@ impl PyPool {
     ) -> PyResult<Self> {
         let capacity = capacity_arg(capacity)?;
         let config = pool_config(config)?;
+        let faults = inject_faults.map(fault_plan).transpose()?;
         let device = device.unwrap_or_else(|| default_device());
         // PyTorch's `backend:cudaMallocAsync`: segments from the driver's stream-ordered pool.
         let async_cuda = config.backend == Backend::CudaMallocAsync && device.starts_with("cuda");
         let mode = if async_cuda { "async" } else { "direct" };
-        let mut backend = py.detach(|| open_device_mode(device, capacity, mode))?;
-        if let Some(spec) = inject_faults {
-            backend = Box::new(Faulty::new(backend, fault_plan(spec)?));
-        }
-        let host_accessible = backend.host_accessible();
-        let device = backend.name().to_string();
-        let shared = Shared { pool: Mutex::new(Pool::new(backend, config)), device, capacity, host_accessible };
+        let shared = py.detach(|| {
+            let mut backend = open_device_mode(device, capacity, mode)?;
+            if let Some(plan) = faults {
+                backend = Box::new(Faulty::new(backend, plan));
+            }
+            let host_accessible = backend.host_accessible();
+            let device = backend.name().to_string();
+            // Pre-allocation (`initial_pool_size_mb`) calls the device.
+            let pool = Mutex::new(Pool::new(backend, config));
+            PyResult::Ok(Shared { pool, device, capacity, host_accessible })
+        })?;
         Ok(PyPool { shared: Arc::new(shared) })
     }
 
@@ -157,7 +190,7 @@ impl PyPool {
     /// The effective settings, by config key.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let entries = self.shared.lock()?.config().entries();
+        let entries = self.shared.lock(py)?.config().entries();
         settings_dict(py, entries)
     }
 
@@ -166,27 +199,27 @@ impl PyPool {
         let size = size_arg(size, "size")?;
         let stream = stream.map_or(Ok(DEFAULT_STREAM), |s| s.id_for(&self.shared))?;
         if size == 0 {
-            return Ok(PyDevicePtr::empty(self.shared.clone()));
+            return Ok(PyDevicePtr::empty(self.shared.clone(), stream));
         }
-        // The cache answers without the device: keep the GIL, it is cheaper than a release.
-        let cached = self.shared.lock()?.alloc_cached(size, stream).map_err(pool_error)?;
+        // A cache hit needs no device: keep the GIL, it is cheaper than a release.
+        let cached = self.shared.lock(py)?.alloc_cached(size, stream).map_err(pool_error)?;
         let allocation = match cached {
             Some(a) => a,
-            None => py.detach(|| self.shared.lock()?.alloc_on(size, stream).map_err(pool_error))?,
+            None => self.detached(py, |pool| pool.alloc_on(size, stream).map_err(pool_error))?,
         };
-        Ok(PyDevicePtr::new(self.shared.clone(), allocation))
+        Ok(PyDevicePtr::new(self.shared.clone(), allocation, stream))
     }
 
     /// A new stream on this pool's device.
-    fn stream(&self) -> PyResult<PyStream> {
-        let id = self.shared.lock()?.create_stream().map_err(pool_error)?;
+    fn stream(&self, py: Python<'_>) -> PyResult<PyStream> {
+        let id = self.detached(py, |pool| pool.create_stream().map_err(pool_error))?;
         Ok(PyStream::new(self.shared.clone(), id))
     }
 
     /// Wraps a stream made elsewhere from its raw handle (`torch.cuda.current_stream().cuda_stream`,
     /// `cupy.cuda.get_current_stream().ptr`); gpupool never destroys it. CUDA devices only.
-    fn external_stream(&self, handle: u64) -> PyResult<PyStream> {
-        let id = self.shared.lock()?.device_mut().import_stream(handle).map_err(|e| pool_error(e.into()))?;
+    fn external_stream(&self, py: Python<'_>, handle: u64) -> PyResult<PyStream> {
+        let id = self.detached(py, |pool| pool.device_mut().import_stream(handle).map_err(|e| pool_error(e.into())))?;
         Ok(PyStream::new(self.shared.clone(), id))
     }
 
@@ -196,27 +229,28 @@ impl PyPool {
     }
 
     /// Marks `ptr` as used on `stream`: its free waits for that stream's queued work.
-    fn record_stream(&self, ptr: &PyDevicePtr, stream: &PyStream) -> PyResult<()> {
+    fn record_stream(&self, py: Python<'_>, ptr: &PyDevicePtr, stream: &PyStream) -> PyResult<()> {
         if !ptr.belongs_to(&self.shared) {
             return Err(value_error("this DevicePtr belongs to another pool"));
         }
-        ptr.record_stream(stream)
+        ptr.record_stream(py, stream)
     }
 
-    /// Waits for every pending event; the blocks they held back become reusable.
+    /// Waits for all work on every stream of the device (a device synchronize); the blocks that
+    /// waited on it become reusable.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.shared.lock()?.synchronize().map_err(pool_error))
+        self.detached(py, |pool| pool.synchronize().map_err(pool_error))
     }
 
-    fn free(&self, ptr: &PyDevicePtr) -> PyResult<()> {
+    fn free(&self, py: Python<'_>, ptr: &PyDevicePtr) -> PyResult<()> {
         if !ptr.belongs_to(&self.shared) {
             return Err(value_error("this DevicePtr belongs to another pool"));
         }
-        ptr.release()
+        ptr.release(py)
     }
 
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let entries = self.shared.lock()?.stats().entries();
+        let entries = self.shared.lock(py)?.stats().entries();
         let dict = PyDict::new(py);
         for (key, value) in entries {
             dict.set_item(key, value)?;
@@ -224,57 +258,56 @@ impl PyPool {
         Ok(dict)
     }
 
-    fn memory_allocated(&self) -> PyResult<u64> {
-        Ok(self.stat(Metric::AllocatedBytes)?.0)
+    fn memory_allocated(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.stat(py, Metric::AllocatedBytes)?.0)
     }
 
-    fn memory_reserved(&self) -> PyResult<u64> {
-        Ok(self.stat(Metric::ReservedBytes)?.0)
+    fn memory_reserved(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.stat(py, Metric::ReservedBytes)?.0)
     }
 
-    fn max_memory_allocated(&self) -> PyResult<u64> {
-        Ok(self.stat(Metric::AllocatedBytes)?.1)
+    fn max_memory_allocated(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.stat(py, Metric::AllocatedBytes)?.1)
     }
 
-    fn max_memory_reserved(&self) -> PyResult<u64> {
-        Ok(self.stat(Metric::ReservedBytes)?.1)
+    fn max_memory_reserved(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.stat(py, Metric::ReservedBytes)?.1)
     }
 
-    fn reset_peak_memory_stats(&self) -> PyResult<()> {
-        self.shared.lock()?.reset_peak_stats();
+    fn reset_peak_memory_stats(&self, py: Python<'_>) -> PyResult<()> {
+        self.shared.lock(py)?.reset_peak_stats();
         Ok(())
     }
 
     /// Returns every fully free cached segment to the device.
     fn empty_cache(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.shared.lock()?.empty_cache().map_err(pool_error))?;
-        Ok(())
+        self.detached(py, |pool| pool.empty_cache().map(drop).map_err(pool_error))
     }
 
     /// Bytes the device currently holds for this pool.
-    fn device_memory_held(&self) -> PyResult<u64> {
-        Ok(self.shared.lock()?.device().memory_info().held)
+    fn device_memory_held(&self, py: Python<'_>) -> PyResult<u64> {
+        self.detached(py, |pool| Ok(pool.device().memory_info().held))
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        self.shared.lock()?.check_invariants().map_err(PyAssertionError::new_err)
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.detached(py, |pool| pool.check_invariants().map_err(PyAssertionError::new_err))
     }
 
     /// Starts recording the newest `max_entries` events (a running record is resized), or with
     /// `enabled=False` stops and discards the record.
     #[pyo3(signature = (enabled = true, max_entries = 1_000_000))]
-    fn record_history(&self, enabled: bool, max_entries: usize) -> PyResult<()> {
+    fn record_history(&self, py: Python<'_>, enabled: bool, max_entries: usize) -> PyResult<()> {
         if max_entries == 0 {
             return Err(value_error("max_entries must be at least 1"));
         }
-        self.shared.lock()?.record_history(enabled.then_some(max_entries));
+        self.shared.lock(py)?.record_history(enabled.then_some(max_entries));
         Ok(())
     }
 
     /// Writes the recorded history as an RMM logging CSV, gzip-compressed if `path` ends in `.gz`.
     fn dump_trace(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         let trace = {
-            let mut pool = self.shared.lock()?;
+            let mut pool = self.shared.lock(py)?;
             let history =
                 pool.history().ok_or_else(|| value_error("no history is recorded: call record_history() first"))?;
             Trace::from_history(history)
@@ -283,10 +316,11 @@ impl PyPool {
             .map_err(|e| PyOSError::new_err(format!("cannot write {}: {e}", path.display())))
     }
 
-    /// PyTorch's snapshot dict: segments with their blocks, traces, settings.
+    /// PyTorch's snapshot dict: segments with their blocks, traces, settings. Paged strategies
+    /// show one segment per contiguous mapped run, as PyTorch does for expandable segments.
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (segments, settings, history) = {
-            let mut pool = self.shared.lock()?;
+            let mut pool = self.shared.lock(py)?;
             let history: Vec<HistoryEntry> = pool.history().map(|h| h.entries().copied().collect()).unwrap_or_default();
             (pool.segments(), pool.config().entries(), history)
         };

@@ -38,10 +38,14 @@ impl PyStream {
 impl Drop for PyStream {
     fn drop(&mut self) {
         if self.id != DEFAULT_STREAM && !self.destroyed.swap(true, Ordering::AcqRel) {
-            if let Ok(mut pool) = self.shared.lock() {
-                // Nothing can be reported from a destructor; a failure leaves the stream alive.
-                let _ = pool.destroy_stream(self.id);
-            }
+            // Destroying synchronizes the stream: never with the interpreter attached.
+            Python::attach(|py| {
+                let destroyed = py.detach(|| self.shared.lock_detached()?.destroy_stream(self.id).map_err(pool_error));
+                if let Err(e) = destroyed {
+                    // As CPython does for errors in `__del__`; the stream stays alive.
+                    e.write_unraisable(py, None);
+                }
+            });
         }
     }
 }
@@ -56,27 +60,27 @@ impl PyStream {
     /// The driver's handle (`cudaStream_t` as an int; 0 is the legacy default stream), for
     /// `torch.cuda.ExternalStream` or `cupy.cuda.ExternalStream`; None on simulated devices.
     #[getter]
-    fn handle(&self) -> PyResult<Option<u64>> {
+    fn handle(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let id = self.live_id()?;
-        Ok(self.shared.lock()?.device().stream_handle(id))
+        Ok(self.shared.lock(py)?.device().stream_handle(id))
     }
 
     /// Simulated devices: the stream stays busy (its events pending) until `synchronize()`.
-    fn hold(&self) -> PyResult<()> {
+    fn hold(&self, py: Python<'_>) -> PyResult<()> {
         let id = self.live_id()?;
-        self.shared.lock()?.hold_stream(id).map_err(pool_error)
+        self.shared.lock(py)?.hold_stream(id).map_err(pool_error)
     }
 
     /// Whether all work recorded on the stream has completed.
     fn query(&self, py: Python<'_>) -> PyResult<bool> {
         let id = self.live_id()?;
-        py.detach(|| self.shared.lock()?.query_stream(id).map_err(pool_error))
+        py.detach(|| self.shared.lock_detached()?.query_stream(id).map_err(pool_error))
     }
 
     /// Waits for the stream's work; blocks it freed or used become reusable.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let id = self.live_id()?;
-        py.detach(|| self.shared.lock()?.synchronize_stream(id).map_err(pool_error))
+        py.detach(|| self.shared.lock_detached()?.synchronize_stream(id).map_err(pool_error))
     }
 
     /// Synchronizes and destroys the stream; its cached blocks go to every stream.
@@ -84,10 +88,14 @@ impl PyStream {
         if self.id == DEFAULT_STREAM {
             return Err(value_error("the default stream cannot be destroyed"));
         }
-        let id = self.live_id()?;
-        py.detach(|| self.shared.lock()?.destroy_stream(id).map_err(pool_error))?;
-        self.destroyed.store(true, Ordering::Release);
-        Ok(())
+        py.detach(|| {
+            let mut pool = self.shared.lock_detached()?;
+            // Checked under the lock: two racing destroys must not both reach the device.
+            let id = self.live_id()?;
+            pool.destroy_stream(id).map_err(pool_error)?;
+            self.destroyed.store(true, Ordering::Release);
+            Ok(())
+        })
     }
 
     fn __repr__(&self) -> String {
