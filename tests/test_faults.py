@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 
 import gpupool
-from pool_checks import RULES, STRATEGIES, MiB, check_pool, drain
+from pool_checks import EXAMPLES_SCALE, RULES, STRATEGIES, MiB, check_pool, drain
 
 SIZES = st.one_of(st.integers(1, 4096), st.integers(1, 24 * MiB))
 # ("alloc", size), ("free", which live allocation modulo their number) or ("empty_cache", 0),
@@ -45,7 +45,7 @@ def run_program(pool, program) -> int:
 
 
 # Examples per strategy, so that all strategies together cost what one did.
-EXAMPLES = settings(max_examples=40)
+EXAMPLES = settings(max_examples=40 * EXAMPLES_SCALE)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

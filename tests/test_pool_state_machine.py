@@ -12,7 +12,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 import gpupool
 from pool_checks import (
+    EXAMPLES_SCALE,
     STRATEGIES,
+    Ledger,
     MiB,
     check_pool,
     check_watermark,
@@ -49,6 +51,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = gpupool.Pool(self.device, capacity=self.capacity, config=config)
         self.live: dict[int, Allocation] = {}
         self.tags = itertools.count()
+        self.ledger = Ledger()
         # Only host memory can be read and written from Python.
         self.holds_data = self.device == "host"
 
@@ -74,6 +77,7 @@ class PoolMachine(RuleBasedStateMachine):
             event("out of memory")
             return multiple()
         assert ptr.size == size and ptr.device == self.device
+        self.ledger.allocated(size)
         allocation = Allocation(ptr, next(self.tags))
         if self.holds_data:
             stamp(ptr, allocation.tag)
@@ -89,6 +93,7 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             allocation.ptr.free()
         assert allocation.ptr.freed
+        self.ledger.freed(allocation.ptr.size)
         del self.live[allocation.tag]
         check_watermark(self.pool)
 
@@ -100,7 +105,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        check_pool(self.pool, [a.ptr for a in self.live.values()])
+        check_pool(self.pool, [a.ptr for a in self.live.values()], ledger=self.ledger)
 
     def teardown(self) -> None:
         drain(self.pool, [a.ptr for a in self.live.values()])
@@ -138,7 +143,7 @@ for _strategy in STRATEGIES:
     ):
         _name = _machine.__name__.removesuffix("Machine")
         _case = type(f"{_name}_{_strategy}", (_machine,), {"strategy": _strategy}).TestCase
-        _case.settings = settings(max_examples=_examples, stateful_step_count=_steps)
+        _case.settings = settings(max_examples=_examples * EXAMPLES_SCALE, stateful_step_count=_steps)
         globals()[f"Test{_name}_{_strategy}"] = _case
 # Module-level names holding a TestCase would be collected a second time.
 del _case, _machine

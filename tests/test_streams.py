@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 import gpupool
-from pool_checks import STRATEGIES, MiB
+from pool_checks import EXAMPLES_SCALE, STRATEGIES, MiB
 
 MODES = ("never", "completed", "wait")
 STREAMS = st.integers(0, 3)
@@ -124,7 +124,7 @@ for _mode in MODES:
             _attributes = {"mode": _mode, "strategy": _strategy, "device": _device}
             _name = f"{_mode}_{_strategy}_{_device}"
             _case = type(f"StreamMachine_{_name}", (StreamMachine,), _attributes).TestCase
-            _case.settings = settings(max_examples=_examples, stateful_step_count=50)
+            _case.settings = settings(max_examples=_examples * EXAMPLES_SCALE, stateful_step_count=50)
             globals()[f"TestStreams_{_name}"] = _case
 # Module-level names holding a TestCase would be collected a second time.
 del _case

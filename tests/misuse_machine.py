@@ -1,0 +1,645 @@
+"""A misuse state machine: random programs of everything a Python user can do to a pool, right
+or wrong, checked against a shadow model after every step.
+
+``tests/test_misuse.py`` (and ``make fuzz``) run it in a child interpreter, so that a crash is a
+test failure rather than the end of the run; by hand:
+
+    GPUPOOL_MISUSE=host,default,40,40,misuse.log python -m pytest tests/misuse_machine.py --hypothesis-seed=7
+
+(device, strategy, examples, steps per example, step log). Each step is appended to the log
+before it runs (the log restarts with each example), so after a crash it holds the steps that
+led there. Without a crash, Hypothesis shrinks a failure and prints it as usual.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import gpupool
+from pool_checks import Ledger, MiB, check_pool, rounded, rules_of
+
+CAPACITY = {"host": 192 * MiB, "sim": 512 * MiB}
+# Mostly small requests; some large ones fill the device; some sizes are wrong on purpose.
+GOOD_SIZES = st.one_of(st.integers(1, 4096), st.integers(1, 2 * MiB), st.integers(1, 40 * MiB), st.just(0))
+BAD_SIZES = st.one_of(
+    st.integers(-(2**70), -1),
+    st.integers(2**62 + 1, 2**80),
+    st.integers(600 * MiB, 2**62),
+    st.floats(allow_nan=True),
+    st.sampled_from(["1MiB", None, b"\x00", 3.0, [1], object()]),
+)
+DTYPES = ("uint8", "int16", "float32", "float64", "complex64", "bool")
+LOG: Path | None = None
+
+
+def pick(data, items: list):
+    """One of ``items``, drawn by index: Hypothesis then keeps no reference to the item itself
+    (a kept DevicePtr or array would keep memory alive that a step meant to release)."""
+    return items[data.draw(st.integers(0, len(items) - 1))]
+
+
+def log(line: str) -> None:
+    if LOG is not None:
+        with LOG.open("a") as f:
+            f.write(line + "\n")
+
+
+@dataclass(eq=False)
+class Entry:
+    """One allocation the program made, live or freed-and-held, with what its owner wrote."""
+
+    ptr: gpupool.DevicePtr
+    address: int
+    size: int
+    block: int
+    stream: int
+    uses: set[int] = field(default_factory=set)
+    freed: bool = False
+    # The newest writes as (offset, bytes), oldest first; older ones are dropped unverified.
+    writes: list[tuple[int, bytes]] = field(default_factory=list)
+
+    def write(self, offset: int, data: bytes) -> None:
+        if data:
+            self.writes = [*self.writes[-15:], (offset, bytes(data))]
+
+    def expected(self) -> list[tuple[int, bytes]]:
+        """What each remembered write's range must hold now: the write, overlaid by later ones."""
+        out = []
+        for i, (offset, data) in enumerate(self.writes):
+            now = bytearray(data)
+            for later, more in self.writes[i + 1 :]:
+                lo, hi = max(offset, later), min(offset + len(data), later + len(more))
+                if lo < hi:
+                    now[lo - offset : hi - offset] = more[lo - later : hi - later]
+            out.append((offset, bytes(now)))
+        return out
+
+
+@dataclass(eq=False)
+class Export:
+    """An export of an entry's bytes (array, view, capsule); ``array`` is a writable uint8 view."""
+
+    entry: Entry
+    holder: object
+    array: np.ndarray | None
+
+
+@dataclass(eq=False)
+class Pending:
+    """A freed block still active until the streams in ``waits`` finish their work; after that
+    the pool frees it at its next poll (of which the model does not know the timing)."""
+
+    address: int
+    block: int
+    waits: set[int]
+
+
+class MisuseMachine(RuleBasedStateMachine):
+    device = "host"
+    strategy = "default"
+
+    def __init__(self) -> None:
+        super().__init__()
+        if LOG is not None:
+            LOG.write_text(f"# {self.device} strategy:{self.strategy}\n")
+        self.pool = gpupool.Pool(self.device, capacity=CAPACITY[self.device], config=f"strategy:{self.strategy}")
+        self.other_pool = gpupool.Pool("sim", capacity=64 * MiB)
+        self.host = self.device == "host"
+        self.entries: list[Entry] = []
+        self.exports: list[Export] = []
+        self.pending: list[Pending] = []
+        self.streams: dict[int, gpupool.Stream] = {0: self.pool.default_stream}
+        self.held: set[int] = set()
+        self.dead_streams: list[gpupool.Stream] = []
+        self.freed_ptrs: list[gpupool.DevicePtr] = []
+        self.ledger = Ledger()
+        self.tags = itertools.count(1)
+        self.synchronizations = (0, 0)
+
+    # ----- the model ---------------------------------------------------------------------------
+
+    def live(self) -> list[Entry]:
+        return [e for e in self.entries if not e.freed]
+
+    def exports_of(self, entry: Entry) -> list[Export]:
+        return [x for x in self.exports if x.entry is entry]
+
+    def all_idle(self) -> None:
+        """Every stream finished its work (a device synchronize happened)."""
+        self.held.clear()
+        for p in self.pending:
+            p.waits.clear()
+
+    def stream_idle(self, stream: int) -> None:
+        self.held.discard(stream)
+        for p in self.pending:
+            p.waits.discard(stream)
+
+    def released(self, entry: Entry) -> None:
+        """The last holder of a freed entry's bytes let go: it waits for busy use streams or is free."""
+        self.entries.remove(entry)
+        waits = entry.uses & self.held
+        if waits:
+            self.pending.append(Pending(entry.address, entry.block, waits))
+
+    def observe_synchronizations(self) -> None:
+        """Returning memory to the device (`cudaFree` semantics) and the out-of-memory ladder
+        synchronize every stream: their counters tell when that happened."""
+        stats = self.pool.memory_stats()
+        seen = (stats["num_device_free"], stats["num_alloc_retries"])
+        if seen != self.synchronizations:
+            self.synchronizations = seen
+            self.all_idle()
+
+    def stream_choice(self, data) -> tuple[int, gpupool.Stream]:
+        choices = sorted(self.streams)
+        sid = pick(data, choices)
+        return sid, self.streams[sid]
+
+    # ----- allocation --------------------------------------------------------------------------
+
+    @rule(size=st.integers(1, 4096), data=st.data())
+    def alloc_small(self, size, data):
+        self.alloc(size, data)
+
+    @rule(size=GOOD_SIZES, data=st.data())
+    def alloc(self, size, data):
+        sid, stream = self.stream_choice(data)
+        log(f"alloc({size}, stream={sid})")
+        try:
+            ptr = self.pool.alloc(size, stream=stream)
+        except gpupool.OutOfMemoryError as e:
+            assert str(size) in str(e)
+            return
+        assert ptr.size == size and not ptr.freed and ptr.exports == 0
+        block = self.block_size(ptr)
+        self.ledger.allocated(size)
+        self.entries.append(Entry(ptr, ptr.ptr, size, block, sid))
+        if self.host and size:
+            # An owner's first write: a stamp at both ends.
+            data_bytes = bytes([next(self.tags) % 251]) * min(size, 64)
+            ptr.copy_from_host(data_bytes)
+            ptr.copy_from_host(data_bytes, size - len(data_bytes))
+            self.entries[-1].write(0, data_bytes)
+            self.entries[-1].write(size - len(data_bytes), data_bytes)
+
+    def block_size(self, ptr) -> int:
+        if ptr.size == 0:
+            return 0
+        for segment in self.pool.snapshot()["segments"]:
+            for b in segment["blocks"]:
+                if b["address"] == ptr.ptr and b["state"] == "active_allocated":
+                    return b["size"]
+        raise AssertionError(f"no block at {ptr.ptr:#x}")
+
+    def alloc_wrong(self, size):
+        log(f"alloc_wrong({size!r})")
+        try:
+            self.pool.alloc(size)
+        except (TypeError, ValueError, OverflowError, gpupool.OutOfMemoryError):
+            return
+        raise AssertionError(f"alloc({size!r}) succeeded")
+
+    def alloc_on_foreign_stream(self, data):
+        stream = pick(data, [self.other_pool.default_stream, *self.dead_streams])
+        log("alloc_on_foreign_stream")
+        try:
+            self.pool.alloc(512, stream=stream)
+        except ValueError:
+            return
+        raise AssertionError("allocated on another pool's or a destroyed stream")
+
+    # ----- freeing -----------------------------------------------------------------------------
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data(), how=st.sampled_from(["method", "pool", "with", "drop"]))
+    def free(self, data, how):
+        entry = pick(data, self.live())
+        exported = bool(self.exports_of(entry))
+        if how == "drop" and exported:
+            how = "method"  # exports keep the pointer alive: dropping our reference frees nothing
+        log(f"free({entry.ptr!r}, how={how}, exported={exported})")
+        ptr = entry.ptr
+        if how == "method":
+            ptr.free()
+        elif how == "pool":
+            self.pool.free(ptr)
+        elif how == "with":
+            with ptr:
+                pass
+        else:
+            # Our references are the only ones: the last one going frees the block.
+            entry.ptr = None  # type: ignore[assignment]
+            del ptr
+            gc.collect()
+            self.ledger.freed(entry.size)
+            self.released(entry)
+            return
+        assert ptr.freed
+        self.ledger.freed(ptr.size)
+        entry.freed = True
+        self.freed_ptrs = [*self.freed_ptrs[-3:], ptr]
+        if not exported:
+            self.released(entry)
+
+    def double_free(self, data, how):
+        ptr = pick(data, self.freed_ptrs)
+        log(f"double_free({ptr!r}, how={how})")
+        try:
+            ptr.free() if how == "method" else self.pool.free(ptr)
+        except ValueError as e:
+            assert "double free" in str(e)
+            return
+        raise AssertionError("a double free succeeded")
+
+    def free_through_another_pool(self, data):
+        entry = pick(data, self.live())
+        log(f"free_through_another_pool({entry.ptr!r})")
+        try:
+            self.other_pool.free(entry.ptr)
+        except ValueError:
+            return
+        raise AssertionError("another pool freed this pointer")
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def racing_free(self, data):
+        entry = pick(data, self.live())
+        log(f"racing_free({entry.ptr!r})")
+        outcomes: list[str] = []
+        barrier = threading.Barrier(2)
+
+        def free():
+            barrier.wait()
+            try:
+                entry.ptr.free()
+                outcomes.append("freed")
+            except ValueError as e:
+                outcomes.append(str(e))
+
+        threads = [threading.Thread(target=free) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive(), "a racing free hung"
+        assert outcomes.count("freed") == 1 and sum("double free" in o for o in outcomes) == 1, outcomes
+        self.ledger.freed(entry.ptr.size)
+        entry.freed = True
+        if not self.exports_of(entry):
+            self.released(entry)
+
+    # ----- exports and copies ------------------------------------------------------------------
+
+    @precondition(lambda self: self.entries)
+    @rule(data=st.data(), kind=st.sampled_from(["asarray", "view", "from_dlpack", "capsule"]))
+    def export(self, data, kind):
+        entry = pick(data, self.entries)
+        ptr = entry.ptr
+        log(f"export({ptr!r}, {kind})")
+        before = ptr.exports
+        try:
+            if kind == "asarray":
+                holder = np.asarray(ptr)
+                array = holder
+            elif kind == "view":
+                dtype = data.draw(st.sampled_from(DTYPES))
+                holder = ptr.view(dtype)
+                array = np.asarray(holder).view(np.uint8).reshape(-1) if self.host else None
+            elif kind == "from_dlpack":
+                holder = np.from_dlpack(ptr)
+                array = holder
+            else:
+                holder = ptr.__dlpack__()
+                array = None
+        except ValueError as e:
+            assert entry.freed and "was freed" in str(e), e
+            assert ptr.exports == before
+            return
+        except (AttributeError, BufferError, TypeError) as e:
+            assert not self.host, e  # sim memory has no bytes to export
+            assert ptr.exports == before, "a failed export left its pin"
+            return
+        assert not entry.freed, "a freed pointer made a new export"
+        assert ptr.exports == before + 1
+        if array is not None and not array.flags.writeable:
+            array = None
+        self.exports.append(Export(entry, holder, array))
+
+    @precondition(lambda self: self.exports)
+    @rule(data=st.data())
+    def drop_export(self, data):
+        export = pick(data, self.exports)
+        log(f"drop_export({export.entry.ptr!r})")
+        self.exports.remove(export)
+        export.holder = export.array = None
+        gc.collect()
+        if export.entry.freed and not self.exports_of(export.entry):
+            self.released(export.entry)
+
+    @precondition(lambda self: any(x.array is not None for x in self.exports))
+    @rule(data=st.data(), value=st.integers(0, 255))
+    def write_through_export(self, data, value):
+        export = pick(data, [x for x in self.exports if x.array is not None])
+        size = len(export.array)  # a view of a wide dtype may cover less than the allocation
+        if size == 0:
+            return
+        start = data.draw(st.integers(0, size - 1))
+        end = data.draw(st.integers(start + 1, min(size, start + 8192)))
+        log(f"write_through_export({export.entry.ptr!r}, {start}:{end}, freed={export.entry.freed})")
+        export.array[start:end] = value
+        export.entry.write(start, bytes([value]) * (end - start))
+
+    @precondition(lambda self: self.entries)
+    @rule(data=st.data())
+    def copy_in(self, data):
+        entry = pick(data, self.entries)
+        size = entry.size
+        offset = data.draw(st.one_of(st.integers(0, size + 16), st.integers(-(2**65), 2**65)))
+        payload = bytes(data.draw(st.binary(max_size=1024)))
+        log(f"copy_in({entry.ptr!r}, offset={offset}, len={len(payload)})")
+        try:
+            entry.ptr.copy_from_host(payload, offset)
+        except ValueError as e:
+            fits = 0 <= offset and offset + len(payload) <= size
+            assert entry.freed or not fits or (payload and not self.host), e
+            return
+        except (OverflowError, TypeError):
+            assert offset < 0 or offset > 2**64
+            return
+        assert not entry.freed and self.host or not payload
+        entry.write(offset, payload)
+
+    @precondition(lambda self: self.entries)
+    @rule(data=st.data())
+    def copy_out(self, data):
+        entry = pick(data, self.entries)
+        size = entry.size
+        offset = data.draw(st.integers(0, size + 16))
+        length = data.draw(st.integers(0, size + 16))
+        log(f"copy_out({entry.ptr!r}, offset={offset}, size={length})")
+        try:
+            out = entry.ptr.copy_to_host(offset, length)
+        except ValueError as e:
+            assert entry.freed or offset + length > size or (length and not self.host), e
+            return
+        assert len(out) == length and not entry.freed
+        for start, expected in entry.expected():
+            lo, hi = max(start, offset), min(start + len(expected), offset + length)
+            if lo < hi:
+                read, wrote = out[lo - offset : hi - offset], expected[lo - start : hi - start]
+                assert read == wrote, "copy_to_host read other bytes"
+
+    # ----- streams -----------------------------------------------------------------------------
+
+    def new_stream(self):
+        stream = self.pool.stream()
+        log(f"new_stream() -> {stream.id}")
+        self.streams[stream.id] = stream
+
+    def hold(self, data):
+        sid, stream = self.stream_choice(data)
+        log(f"hold({sid})")
+        stream.hold()
+        self.held.add(sid)
+
+    def query(self, data):
+        sid, stream = self.stream_choice(data)
+        log(f"query({sid})")
+        assert stream.query() == (sid not in self.held)
+
+    def synchronize_stream(self, data):
+        sid, stream = self.stream_choice(data)
+        log(f"synchronize_stream({sid})")
+        stream.synchronize()
+        self.stream_idle(sid)
+
+    def destroy_stream(self, data, drop):
+        sid = pick(data, [s for s in self.streams if s != 0])
+        stream = self.streams.pop(sid)
+        log(f"destroy_stream({sid}, drop={drop})")
+        if drop:
+            del stream
+            gc.collect()
+        else:
+            stream.destroy()
+            self.dead_streams = [*self.dead_streams[-2:], stream]
+            try:
+                stream.destroy()
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a stream was destroyed twice")
+        self.stream_idle(sid)
+
+    def destroy_default_stream(self):
+        log("destroy_default_stream()")
+        try:
+            self.pool.default_stream.destroy()
+        except ValueError:
+            return
+        raise AssertionError("the default stream was destroyed")
+
+    @precondition(lambda self: self.entries)
+    @rule(data=st.data())
+    def record_stream(self, data):
+        entry = pick(data, self.entries)
+        sid, target = pick(data, [*self.streams.items(), *((None, s) for s in self.dead_streams)])
+        log(f"record_stream({entry.ptr!r}, {sid})")
+        try:
+            entry.ptr.record_stream(target)
+        except ValueError:
+            assert entry.freed or sid is None
+            return
+        assert not entry.freed and sid is not None
+        if sid != entry.stream and entry.ptr.size:
+            entry.uses.add(sid)
+
+    def synchronize(self):
+        log("synchronize()")
+        self.pool.synchronize()
+        self.all_idle()
+        assert all(s.query() for s in self.streams.values())
+
+    def empty_cache(self):
+        log("empty_cache()")
+        self.pool.empty_cache()
+        self.all_idle()
+
+    def summaries(self):
+        log("summaries()")
+        summary = self.pool.memory_summary()
+        assert "Allocated memory" in summary
+        self.pool.snapshot()
+
+    # ----- threads -----------------------------------------------------------------------------
+
+    @rule(seed=st.integers(0, 2**16), threads=st.integers(2, 4))
+    def threads(self, seed, threads):
+        """Threads allocate, write, export, read back and free their own blocks at once."""
+        log(f"threads(seed={seed}, threads={threads})")
+        errors: list[BaseException] = []
+        counts: list[tuple[int, int]] = []
+
+        def work(index: int) -> None:
+            rng = np.random.default_rng(seed + index)
+            made = total = 0
+            try:
+                for _ in range(20):
+                    size = int(rng.integers(1, 256 * 1024))
+                    try:
+                        ptr = self.pool.alloc(size)
+                    except gpupool.OutOfMemoryError:
+                        continue
+                    made, total = made + 1, total + size
+                    stamp = bytes([index + 1]) * min(size, 32)
+                    if self.host:
+                        ptr.copy_from_host(stamp, size - len(stamp))
+                        view = np.asarray(ptr)
+                        assert bytes(view[size - len(stamp) :]) == stamp, "another thread's bytes"
+                        if rng.random() < 0.5:
+                            ptr.free()  # the array holds the bytes until it goes
+                            del view
+                            continue
+                        del view
+                    ptr.free()
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+            counts.append((made, total))
+
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+            assert not w.is_alive(), "a thread hung"
+        assert not errors, errors
+        for made, total in counts:
+            self.ledger.allocations += made
+            self.ledger.frees += made
+            self.ledger.requested_in += total
+            self.ledger.requested_out += total
+
+    # ----- dispatch: rarer operations share a rule, so allocation and freeing stay common ---------
+
+    @rule(data=st.data(), kind=st.sampled_from(["size", "stream", "double_free", "other_pool", "default_stream"]))
+    def misuse(self, data, kind):
+        if kind == "size":
+            self.alloc_wrong(data.draw(BAD_SIZES))
+        elif kind == "stream":
+            self.alloc_on_foreign_stream(data)
+        elif kind == "double_free" and self.freed_ptrs:
+            self.double_free(data, data.draw(st.sampled_from(["method", "pool"])))
+        elif kind == "other_pool" and self.live():
+            self.free_through_another_pool(data)
+        elif kind == "default_stream":
+            self.destroy_default_stream()
+
+    @rule(data=st.data(), op=st.sampled_from(["new", "hold", "query", "synchronize", "destroy"]))
+    def stream_op(self, data, op):
+        if op == "new" and len(self.streams) < 5:
+            self.new_stream()
+        elif op == "hold":
+            self.hold(data)
+        elif op == "query":
+            self.query(data)
+        elif op == "synchronize":
+            self.synchronize_stream(data)
+        elif op == "destroy" and len(self.streams) > 1:
+            self.destroy_stream(data, data.draw(st.booleans()))
+
+    @rule(op=st.sampled_from(["synchronize", "empty_cache", "summaries"]))
+    def pool_op(self, op):
+        getattr(self, op)()
+
+    # ----- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self):
+        self.observe_synchronizations()
+        segments = self.pool.snapshot()["segments"]
+        blocks = [b for segment in segments for b in segment["blocks"]]
+        pending_now = {b["address"]: b["size"] for b in blocks if b["state"] == "active_pending_free"}
+        held = {e.address for e in self.entries if e.freed and e.block}
+        assert held <= set(pending_now), "freed bytes an export still holds went back to the pool"
+        waiting = {p.address for p in self.pending if p.waits}
+        assert waiting <= set(pending_now), "a block went back while a stream may still use it"
+        # Blocks whose streams finished go back at the pool's next poll; those that did are gone.
+        self.pending = [p for p in self.pending if p.waits or p.address in pending_now]
+        assert set(pending_now) == held | {p.address for p in self.pending}, "unexpected pending blocks"
+        live = [e.ptr for e in self.live()]
+        check_pool(self.pool, live, pending=sum(pending_now.values()), ledger=self.ledger)
+        self.no_overlap()
+        if self.host:
+            self.contents_intact()
+
+    def no_overlap(self):
+        granule = rules_of(self.pool).granule
+        spans = sorted((e.address, e.address + rounded(e.size, granule)) for e in self.entries if e.size)
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, "a live or held block overlaps another"
+
+    def contents_intact(self):
+        """Every remembered write still reads back: from the pointer, or for a freed entry
+        through its exports (nothing else may reach a freed block's bytes)."""
+        for entry in self.entries:
+            if not entry.writes:
+                continue
+            if entry.freed:
+                arrays = [x.array for x in self.exports_of(entry) if x.array is not None]
+                if not arrays:
+                    continue
+                array = max(arrays, key=len)
+                read = lambda start, n, array=array: array[start : start + n].tobytes()  # noqa: E731
+                limit = len(array)
+            else:
+                read, limit = entry.ptr.copy_to_host, entry.size
+            for start, expected in entry.expected():
+                n = min(len(expected), limit - start)
+                if n > 0:
+                    assert read(start, n) == expected[:n], f"bytes of {entry.ptr!r} at {start} changed"
+
+    def teardown(self):
+        log("teardown()")
+        self.exports.clear()
+        for entry in self.live():
+            entry.ptr.free()
+        self.entries.clear()
+        gc.collect()
+        self.pool.synchronize()
+        self.pool.empty_cache()
+        self.pool.check_invariants()
+        assert self.pool.memory_reserved() == 0 and self.pool.device_memory_held() == 0, "memory leaked"
+
+
+def _configured_case():
+    """The test case ``GPUPOOL_MISUSE`` asks for: ``device,strategy,examples,steps[,log]``."""
+    spec = os.environ.get("GPUPOOL_MISUSE")
+    if not spec:
+        return None
+    device, strategy, examples, steps, *rest = spec.split(",")
+    global LOG
+    LOG = Path(rest[0]) if rest else None
+    attributes = {"device": device, "strategy": strategy}
+    case = type(f"Misuse_{device}_{strategy}", (MisuseMachine,), attributes).TestCase
+    case.settings = settings(
+        max_examples=int(examples),
+        stateful_step_count=int(steps),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    return case
+
+
+TestMisuse = _configured_case()
