@@ -54,6 +54,12 @@ impl<D: Device> Device for Faulty<D> {
         }
         self.inner.allocate(size)
     }
+    fn allocate_on(&mut self, size: u64, stream: super::StreamId) -> Result<u64, DeviceError> {
+        if self.refuse_this_call() {
+            return Err(DeviceError::OutOfMemory { requested: size });
+        }
+        self.inner.allocate_on(size, stream)
+    }
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
         self.inner.release(address)
     }
@@ -63,11 +69,14 @@ impl<D: Device> Device for Faulty<D> {
     fn host_accessible(&self) -> bool {
         self.inner.host_accessible()
     }
-    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DeviceError> {
-        self.inner.write(address, data)
+    fn write(&mut self, stream: super::StreamId, address: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.inner.write(stream, address, data)
     }
-    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        self.inner.read(address, out)
+    fn read(&self, stream: super::StreamId, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.inner.read(stream, address, out)
+    }
+    fn is_capturing(&mut self, stream: super::StreamId) -> Result<bool, DeviceError> {
+        self.inner.is_capturing(stream)
     }
     super::forward_streams!(inner);
     fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {

@@ -6,8 +6,11 @@
 //!   A refusal leaves the device unchanged.
 //! - [`Device::release`] takes back exactly an address `allocate` returned and not yet released;
 //!   anything else is [`DeviceError::InvalidAddress`] and changes nothing.
+//! - [`Device::allocate_on`] is `allocate` for use on a stream: devices whose allocation is
+//!   stream-ordered (CUDA's `cudaMallocAsync`) order it on that stream.
 //! - [`Device::write`] / [`Device::read`] copy between host buffers and device memory inside one
-//!   live allocation; devices without memory behind their addresses answer `Unsupported`.
+//!   live allocation, ordered after the work queued on the given stream, and complete before they
+//!   return; devices without memory behind their addresses answer `Unsupported`.
 //! - Streams and events: stream [`DEFAULT_STREAM`] always exists. `record_event` marks the
 //!   current end of a stream's work; `query_event` says whether everything before it finished;
 //!   `synchronize_*` block until it has; `stream_wait_event` orders a stream's later work after an
@@ -15,6 +18,8 @@
 //!   stream busy until synchronized) and is a no-op where real kernels keep streams busy.
 //!   `import_stream` wraps a stream made elsewhere (a raw `cudaStream_t`) and `stream_handle`
 //!   gives a stream's raw handle back; devices without real streams answer `Unsupported` / `None`.
+//!   `is_capturing` says whether a stream is being captured into a CUDA graph, when queries,
+//!   synchronization and allocation from the driver are not allowed on it.
 //! - A device never panics on bad input: every failure is a `DeviceError`.
 
 #[cfg(feature = "cuda")]
@@ -88,17 +93,25 @@ pub trait Device: Send {
     /// The device string users see: `host`, `sim`, `cuda:0`.
     fn name(&self) -> &str;
     fn allocate(&mut self, size: u64) -> Result<u64, DeviceError>;
+    /// Allocates `size` bytes to be used on `stream` (see the contract).
+    fn allocate_on(&mut self, size: u64, _stream: StreamId) -> Result<u64, DeviceError> {
+        self.allocate(size)
+    }
     fn release(&mut self, address: u64) -> Result<(), DeviceError>;
     fn memory_info(&self) -> MemoryInfo;
     /// Whether addresses are host pointers that Python may view directly.
     fn host_accessible(&self) -> bool {
         false
     }
-    fn write(&mut self, _address: u64, _data: &[u8]) -> Result<(), DeviceError> {
+    fn write(&mut self, _stream: StreamId, _address: u64, _data: &[u8]) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("copies"))
     }
-    fn read(&self, _address: u64, _out: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, _stream: StreamId, _address: u64, _out: &mut [u8]) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("copies"))
+    }
+    /// Whether `stream` is being captured into a CUDA graph; devices without graphs never are.
+    fn is_capturing(&mut self, _stream: StreamId) -> Result<bool, DeviceError> {
+        Ok(false)
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError>;
     fn destroy_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
@@ -194,6 +207,9 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
         (**self).allocate(size)
     }
+    fn allocate_on(&mut self, size: u64, stream: StreamId) -> Result<u64, DeviceError> {
+        (**self).allocate_on(size, stream)
+    }
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
         (**self).release(address)
     }
@@ -203,11 +219,14 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn host_accessible(&self) -> bool {
         (**self).host_accessible()
     }
-    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DeviceError> {
-        (**self).write(address, data)
+    fn write(&mut self, stream: StreamId, address: u64, data: &[u8]) -> Result<(), DeviceError> {
+        (**self).write(stream, address, data)
     }
-    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        (**self).read(address, out)
+    fn read(&self, stream: StreamId, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        (**self).read(stream, address, out)
+    }
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        (**self).is_capturing(stream)
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
         (**self).create_stream()

@@ -95,6 +95,7 @@ impl Device for Sim {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::DEFAULT_STREAM;
 
     #[test]
     fn capacity_and_release() {
@@ -107,7 +108,7 @@ mod tests {
         sim.release(a).unwrap();
         assert_eq!(sim.release(a), Err(DeviceError::InvalidAddress(a)));
         assert_eq!(sim.memory_info().held, 20 << 30);
-        assert!(sim.read(b, &mut [0u8; 4]).is_err());
+        assert!(sim.read(DEFAULT_STREAM, b, &mut [0u8; 4]).is_err());
     }
 
     #[test]

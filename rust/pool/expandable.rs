@@ -300,10 +300,16 @@ impl Expandable {
         if let Some(&(_, idle)) = known.iter().find(|(s, _)| *s == stream) {
             return Ok(idle);
         }
-        let idle = match device.query_stream(stream) {
+        let idle = match device.is_capturing(stream) {
+            // A capturing stream may not be queried or waited for: its space stays mapped.
+            Ok(true) => false,
+            Ok(false) => match device.query_stream(stream) {
+                Ok(false) if wait => device.synchronize_stream(stream).map(|_| true)?,
+                Err(DeviceError::InvalidStream(_)) => true,
+                other => other?,
+            },
             Err(DeviceError::InvalidStream(_)) => true,
-            Ok(false) if wait => device.synchronize_stream(stream).map(|_| true)?,
-            other => other?,
+            Err(e) => return Err(e),
         };
         known.push((stream, idle));
         Ok(idle)

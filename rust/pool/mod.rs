@@ -1,6 +1,7 @@
 //! The pool: a heap of cached segments over a device, growing on demand and shrinking on
 //! `empty_cache` or under memory pressure.
 
+mod capture;
 mod config;
 mod deferred;
 mod error;
@@ -41,6 +42,8 @@ pub struct Pool<D: Device> {
     expandable: Option<Expandable>,
     /// Segment sizing state and the memory limit.
     growth: Growth,
+    /// Allocations freed while a stream they use was being captured into a CUDA graph.
+    held_for_capture: Vec<Handle>,
 }
 
 impl<D: Device> Pool<D> {
@@ -51,7 +54,16 @@ impl<D: Device> Pool<D> {
         }
         let expandable = config.page_size.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
-        let mut pool = Pool { device, heap, deferred: Deferred::default(), config, history: None, expandable, growth };
+        let mut pool = Pool {
+            device,
+            heap,
+            deferred: Deferred::default(),
+            config,
+            history: None,
+            expandable,
+            growth,
+            held_for_capture: Vec::new(),
+        };
         pool.preallocate();
         pool
     }
@@ -96,6 +108,7 @@ impl<D: Device> Pool<D> {
     /// Serves `size` bytes on `stream` from cached memory only; `None` means the device must
     /// be asked. Callers that must not block (the Python binding holding the GIL) try this first.
     pub fn alloc_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
+        self.refuse_capture(stream)?;
         match self.try_cached(size, stream) {
             // A refused page map is for `alloc_on`'s out-of-memory ladder to handle.
             Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => Ok(None),
@@ -105,6 +118,7 @@ impl<D: Device> Pool<D> {
 
     fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
+        self.settle_captured_frees()?;
         let rounded = self.heap.rules().round(size);
         if !self.deferred.is_idle() {
             self.deferred.poll(&mut self.device, &mut self.heap, false)?;
@@ -180,6 +194,7 @@ impl<D: Device> Pool<D> {
     /// searched again (PyTorch forgets to) and the device asked once more (a device may refuse
     /// transiently, so that happens even if nothing was freed).
     pub fn alloc_on(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
+        self.refuse_capture(stream)?;
         match self.try_cached(size, stream).and_then(|cached| match cached {
             Some(a) => Ok(a),
             None => self.grow(size, stream),
@@ -241,7 +256,7 @@ impl<D: Device> Pool<D> {
             return self.take_found(id, size, rounded, stream);
         }
         self.collect_garbage()?;
-        let (address, segment_size) = self.allocate_segment(rounded)?;
+        let (address, segment_size) = self.allocate_segment(rounded, stream)?;
         self.note(HistoryAction::SegmentAlloc, address, segment_size, stream);
         let segment = self.heap.add_segment(address, segment_size, kind, stream);
         let handle = self.heap.take_segment(segment, size, stream);
@@ -270,6 +285,10 @@ impl<D: Device> Pool<D> {
     /// Returns an allocation's block to the cache. A block used on other streams waits for
     /// events recorded on them now; otherwise the device is not called.
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
+        if self.used_by_capture(handle)? {
+            self.held_for_capture.push(handle);
+            return Ok(());
+        }
         self.note_free(handle);
         match self.heap.release(handle)? {
             Released::Cached { segment } => self.after_free(segment),
@@ -287,6 +306,28 @@ impl<D: Device> Pool<D> {
     pub fn block_of(&self, handle: Handle) -> Result<(u64, u64), PoolError> {
         let b = self.heap.block(handle)?;
         Ok((b.address, b.size))
+    }
+
+    /// Copies `data` into a live allocation at `offset`, ordered after the work queued on the
+    /// allocation's stream (where its users' work is, or was waited for).
+    pub fn write(&mut self, handle: Handle, offset: u64, data: &[u8]) -> Result<(), PoolError> {
+        let (address, stream) = self.copy_target(handle, offset, data.len())?;
+        Ok(self.device.write(stream, address, data)?)
+    }
+
+    /// Copies from a live allocation at `offset` into `out`, ordered as [`Pool::write`].
+    pub fn read(&self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), PoolError> {
+        let (address, stream) = self.copy_target(handle, offset, out.len())?;
+        Ok(self.device.read(stream, address, out)?)
+    }
+
+    /// Where a copy of `len` bytes at `offset` into an allocation goes, and on which stream.
+    fn copy_target(&self, handle: Handle, offset: u64, len: usize) -> Result<(u64, StreamId), PoolError> {
+        let b = self.heap.block(handle)?;
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= b.size => Ok((b.address + offset, b.stream)),
+            _ => Err(PoolError::Device(DeviceError::InvalidAddress(b.address.saturating_add(offset)))),
+        }
     }
 
     /// The stream a live allocation was made for.

@@ -254,7 +254,8 @@ impl PyDevicePtr {
         // Checking `freed` under the pool lock orders it with a concurrent free.
         let mut pool = self.shared.lock()?;
         self.check_live()?;
-        pool.device_mut().write(self.address + offset, &bytes).map_err(|e| value_error(e.to_string()))
+        let handle = self.handle.ok_or_else(|| value_error("an empty allocation holds no bytes"))?;
+        pool.write(handle, offset, &bytes).map_err(|e| value_error(e.to_string()))
     }
 
     fn copy_to_host<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
@@ -264,7 +265,8 @@ impl PyDevicePtr {
             }
             let pool = self.shared.lock()?;
             self.check_live()?;
-            pool.device().read(self.address, out).map_err(|e| value_error(e.to_string()))
+            let handle = self.handle.ok_or_else(|| value_error("an empty allocation holds no bytes"))?;
+            pool.read(handle, 0, out).map_err(|e| value_error(e.to_string()))
         })
     }
 }

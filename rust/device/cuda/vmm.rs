@@ -88,7 +88,7 @@ impl Cuda {
             return Ok(page);
         }
         driver::require_symbols(driver::VMM_SYMBOLS, "virtual memory management")?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         let prop = allocation_properties(self.ordinal());
         let mut page = 0usize;
         let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
@@ -107,7 +107,7 @@ impl Cuda {
     pub(super) fn reserve_range(&mut self, size: u64) -> Result<u64, DeviceError> {
         let page = self.page_size()?;
         let size = size.max(1).checked_next_multiple_of(page).ok_or(DeviceError::OutOfMemory { requested: size })?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         let mut base = 0;
         // SAFETY: the context is current; the driver picks the address (hint 0).
         check_alloc(
@@ -140,7 +140,7 @@ impl Cuda {
             return Err(DeviceError::InvalidAddress(address));
         }
         super::check_capacity(self.capacity, self.held, size)?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         let mut mapped = Vec::new();
         let outcome = (address..address + size).step_by(page as usize).try_for_each(|p| {
             mapped.push((p, self.map_page(p, page)?));
@@ -192,7 +192,7 @@ impl Cuda {
         if r.pages.range(address..address + size).count() as u64 != size / page {
             return Err(DeviceError::InvalidAddress(address));
         }
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         let pages = &mut self.reservations.by_base.get_mut(&base).expect("reservation checked above").pages;
         for p in (address..address + size).step_by(page as usize) {
             let handle = pages[&p];
@@ -210,7 +210,7 @@ impl Cuda {
             return Err(DeviceError::InvalidAddress(base));
         }
         let size = r.size;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         // SAFETY: a range we reserved, with no mappings left, freed once.
         check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(base, size as usize) })?;
         self.reservations.by_base.remove(&base);
