@@ -84,10 +84,13 @@ def build(directory: Path, hidden: tuple[str, ...] = ()) -> Path:
     return directory
 
 
-def run(snippet: str, library: Path | None, **switches: object) -> dict:
-    """Runs ``snippet`` (after PRELUDE) with the fake in ``library`` (None: no driver at all) and
-    the FAKE_CUDA_* ``switches``; returns what it passed to ``report``."""
+def run(snippet: str, library: Path | None, env: dict[str, str] | None = None, **switches: object) -> dict:
+    """Runs ``snippet`` (after PRELUDE) with the fake in ``library`` (None: no driver at all),
+    the extra environment ``env`` and the FAKE_CUDA_* ``switches``; returns what it passed to
+    ``report``."""
+    extra = env or {}
     env = {key: value for key, value in os.environ.items() if not key.startswith("FAKE_CUDA_")}
+    env.update(extra)
     env["LD_LIBRARY_PATH"] = str(library) if library else ""
     env.update({f"FAKE_CUDA_{key.upper()}": str(value) for key, value in switches.items()})
     code = PRELUDE + textwrap.dedent(snippet)
