@@ -14,6 +14,9 @@ def cuda_available() -> bool:
 def device_count() -> int:
     """GPUs the CUDA driver sees; 0 without a usable driver; never raises."""
 
+def cuda_mem_get_info(device: int = 0) -> tuple[int, int]:
+    """``(free, total)`` bytes of a CUDA device as the driver counts them (``cuMemGetInfo``)."""
+
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``80GiB``, ``512 MiB``, ``1.5GB`` or ``4096``."""
 

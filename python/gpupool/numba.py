@@ -48,9 +48,12 @@ def _build() -> type:
             return MemoryPointer(self.context, _device_pointer(ptr.ptr), size, finalizer=finalize)
 
         def get_memory_info(self) -> Any:
-            # Numba's own answer would ask this plugin again; the pool's figures are not the
-            # device's free memory either.
-            raise NotImplementedError("ask the driver (cuMemGetInfo) for device memory figures")
+            # The driver's figures, as Numba's own memory manager reports them: memory this
+            # pool caches counts as used (it is, for every other allocator on the device).
+            from numba.cuda import MemoryInfo
+
+            free, total = gpupool.cuda_mem_get_info(self.context.device.id)
+            return MemoryInfo(free=free, total=total)
 
         def get_ipc_handle(self, memory: MemoryPointer) -> Any:
             raise NotImplementedError("gpupool does not export IPC handles")

@@ -96,6 +96,17 @@ pub fn device_count() -> usize {
     driver::probe().map_or(0, |info| info.device_count.max(0) as usize)
 }
 
+/// `(free, total)` bytes of `cuda:ordinal` as the driver counts them (`cuMemGetInfo`): memory
+/// every process and pool holds counts as used.
+pub fn memory_figures(ordinal: i32) -> Result<(u64, u64), DeviceError> {
+    let context = Context::retain(ordinal)?;
+    let _current = context.enter()?;
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: the context is current; both pointers are valid for one write.
+    check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+    Ok((free as u64, total as u64))
+}
+
 impl Cuda {
     /// Opens `cuda:ordinal`; `capacity` caps what this device hands out, below the card's size.
     pub fn open(ordinal: i32, mode: Mode, capacity: Option<u64>) -> Result<Self, DeviceError> {

@@ -26,6 +26,22 @@ fn device_count(py: Python<'_>) -> usize {
     }
 }
 
+/// `(free, total)` bytes of CUDA device `device` as the driver counts them (`cuMemGetInfo`,
+/// `torch.cuda.mem_get_info`): memory that pools cache counts as used.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn cuda_mem_get_info(py: Python<'_>, device: i32) -> PyResult<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    return py
+        .detach(|| crate::device::cuda::memory_figures(device))
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (py, device);
+        Err(PyRuntimeError::new_err("this gpupool was built without the 'cuda' feature"))
+    }
+}
+
 fn cuda_usable() -> bool {
     #[cfg(feature = "cuda")]
     return crate::device::cuda::available();
@@ -81,6 +97,7 @@ fn _capi_last_error() -> Option<String> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_mem_get_info, m)?)?;
     m.add_function(wrap_pyfunction!(_capi_configure, m)?)?;
     m.add_function(wrap_pyfunction!(_capi_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(_capi_empty_cache, m)?)?;

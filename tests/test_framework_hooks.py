@@ -1,4 +1,4 @@
-"""gpupool.torch against the fake CUDA driver and a stand-in for PyTorch's pluggable allocator.
+"""gpupool.torch, gpupool.cupy and gpupool.numba against the fake CUDA driver and stand-ins for the frameworks.
 
 What runs for real: gpupool's C ABI (allocation, free, record_stream, empty_cache), the C++
 exception a failed allocation throws, caught the way PyTorch's frames catch it (a small C++
@@ -200,3 +200,59 @@ def test_a_pytorch_without_the_hooks_is_refused(fake):
         env={"STAND_IN_TORCH_WITHOUT_HOOKS": "1"},
     )
     assert "set_record_stream_fn" in result["error"] and "set_reset_fn" in result["error"]
+
+
+def test_the_cupy_allocator_serves_each_device_on_cupys_stream(fake):
+    result = run(
+        (
+            """
+        import cupy
+        import gpupool.cupy
+        malloc = gpupool.cupy.allocator()
+        first = malloc(1 << 20)
+        cupy.cuda.Device(1).use()
+        use_context(1)
+        side = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(side), 1) == 0
+        cupy.cuda.Stream(side.value).use()
+        second = malloc(1 << 20)
+        owner = second.mem.owner
+        stream = owner.__cuda_array_interface__["stream"]
+        pinned = gpupool.cupy.allocator(gpupool.Pool("cuda:0"))
+        try:
+            pinned(1 << 20)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        pool = owner.device
+        del second, owner
+        report(devices=[first.mem.device_id, pool], stream=stream == side.value, error=error)
+        """,
+        ),
+        fake,
+        device_count=2,
+    )
+    assert result["devices"] == [0, "cuda:1"] and result["stream"]
+    assert "serves cuda:0" in result["error"]
+
+
+def test_the_numba_plugin_reports_the_drivers_memory_figures(fake):
+    result = run(
+        (
+            """
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        pointer = manager.memalloc(3 << 20)
+        info = manager.get_memory_info()
+        pointer.free()
+        report(info=list(info), held=manager.pool.device_memory_held(), live=len(manager.allocations))
+        """,
+        ),
+        fake,
+        memory=256 * MiB,
+    )
+    free, total = result["info"]
+    assert total == 256 * MiB and free == total - result["held"], "cuMemGetInfo's figures"
+    assert result["live"] == 0

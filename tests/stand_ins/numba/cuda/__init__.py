@@ -1,0 +1,38 @@
+"""The stand-in's `numba.cuda` (see `numba/__init__.py`)."""
+
+from collections import namedtuple
+
+MemoryInfo = namedtuple("MemoryInfo", "free total")
+
+
+class _Device:
+    def __init__(self, id):
+        self.id = id
+
+
+class _Context:
+    def __init__(self, device):
+        self.device = _Device(device)
+
+
+class HostOnlyCUDAMemoryManager:
+    def __init__(self, context):
+        self.context = context
+        self.allocations = {}
+
+    def reset(self):
+        self.allocations.clear()
+
+
+class MemoryPointer:
+    def __init__(self, context, pointer, size, finalizer=None):
+        self.context, self.device_pointer, self.size, self._finalizer = context, pointer, size, finalizer
+
+    def free(self):
+        if self._finalizer:
+            self._finalizer()
+
+
+def context_for(device):
+    """Stand-in only: the context Numba would hand the plugin for `device`."""
+    return _Context(device)
