@@ -170,16 +170,28 @@ fn segments_copy_and_release() {
     assert_eq!(cuda.memory_info().held, 0);
 }
 
+/// Driver calls per kind since `before` (create, map, set-access, unmap, release).
+fn vmm_calls() -> [u64; 5] {
+    ["cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"].map(calls)
+}
+
+fn since(before: [u64; 5]) -> [u64; 5] {
+    let now = vmm_calls();
+    std::array::from_fn(|i| now[i] - before[i])
+}
+
 #[test]
-fn reserved_ranges_are_mapped_page_by_page() {
+fn runs_are_mapped_one_handle_per_page_with_access_set_once() {
     let (mut cuda, _turn) = open();
     let page = cuda.page_size().unwrap();
-    assert_eq!(page, 2 * MIB);
-    let base = cuda.reserve(5 * MIB).unwrap();
-    assert_eq!(cuda.reserved_and_mapped(), (6 * MIB, 0), "rounded up to whole pages");
+    assert_eq!(page, 2 * MIB, "the fake's granularity");
+    let base = cuda.reserve(13 * MIB).unwrap();
+    assert_eq!(cuda.reserved_and_mapped(), (14 * MIB, 0), "rounded up to the granularity");
     assert_eq!(cuda.write(DEFAULT_STREAM, base, b"x"), Err(DeviceError::InvalidAddress(base)), "nothing mapped yet");
 
-    cuda.map(base, 4 * MIB).unwrap();
+    let before = vmm_calls();
+    cuda.map(base, 4 * MIB, 2 * MIB).unwrap();
+    assert_eq!(since(before), [2, 2, 1, 0, 2], "two handles, mapped, access set once, released at once");
     assert_eq!(cuda.memory_info().held, 4 * MIB);
     let straddling = base + 2 * MIB - 3;
     cuda.write(DEFAULT_STREAM, straddling, b"across pages").unwrap();
@@ -187,25 +199,31 @@ fn reserved_ranges_are_mapped_page_by_page() {
     cuda.read(DEFAULT_STREAM, straddling, &mut out).unwrap();
     assert_eq!(&out, b"across pages");
 
-    assert!(cuda.map(base + 2 * MIB, 4 * MIB).is_err(), "overlaps a mapped page");
-    assert!(cuda.map(base + MIB, 2 * MIB).is_err(), "not page-aligned");
-    assert!(cuda.map(base + 4 * MIB, 4 * MIB).is_err(), "past the reservation");
-    cuda.map(base + 4 * MIB, 2 * MIB).unwrap();
-    assert_eq!(cuda.reserved_and_mapped(), (6 * MIB, 6 * MIB));
+    let before = vmm_calls();
+    cuda.map(base + 4 * MIB, 8 * MIB, 4 * MIB).unwrap();
+    assert_eq!(since(before), [2, 2, 1, 0, 2], "4 MiB pages: two handles for 8 MiB");
+    assert!(cuda.map(base + 2 * MIB, 4 * MIB, 2 * MIB).is_err(), "overlaps a mapped page");
+    assert!(cuda.map(base + MIB, 2 * MIB, 2 * MIB).is_err(), "not aligned to the granularity");
+    assert!(cuda.map(base + 12 * MIB, 2 * MIB, MIB).is_err(), "pages below the granularity");
+    assert!(cuda.map(base + 12 * MIB, 4 * MIB, 2 * MIB).is_err(), "past the reservation");
+    assert_eq!(cuda.reserved_and_mapped(), (14 * MIB, 12 * MIB));
 
+    let before = vmm_calls();
+    assert!(cuda.unmap(base + 4 * MIB, 2 * MIB).is_err(), "half of one mapping");
     cuda.unmap(base + 2 * MIB, 2 * MIB).unwrap();
+    assert_eq!(since(before), [0, 0, 0, 1, 0], "one call unmaps a page (its memory goes with it)");
     assert!(cuda.read(DEFAULT_STREAM, base + 2 * MIB, &mut out).is_err(), "unmapped pages cannot be copied");
     assert!(cuda.unmap(base + 2 * MIB, 2 * MIB).is_err(), "already unmapped");
     assert!(cuda.unmap(base, 4 * MIB).is_err(), "half of it is unmapped");
-    assert_eq!(cuda.memory_info().held, 4 * MIB);
+    assert_eq!(cuda.memory_info().held, 10 * MIB);
     assert_eq!(cuda.unreserve(base), Err(DeviceError::InvalidAddress(base)), "pages are still mapped");
     cuda.unmap(base, 2 * MIB).unwrap();
-    cuda.unmap(base + 4 * MIB, 2 * MIB).unwrap();
+    cuda.unmap(base + 4 * MIB, 8 * MIB).unwrap();
     cuda.unreserve(base).unwrap();
     assert_eq!(cuda.reserved_and_mapped(), (0, 0));
     assert_eq!(cuda.memory_info().held, 0);
     assert_eq!(cuda.unreserve(base), Err(DeviceError::InvalidAddress(base)));
-    assert_eq!(calls("cuMemCreate"), calls("cuMemRelease"), "every physical page was released");
+    assert_eq!(calls("cuMemCreate"), calls("cuMemRelease"), "every physical allocation was released");
 }
 
 #[test]
@@ -281,14 +299,14 @@ fn an_expandable_pool_maps_pages_through_the_driver() {
 #[test]
 fn a_closed_device_returns_everything() {
     let (mut cuda, _turn) = open();
-    let before = calls("cuMemRelease");
+    let before = calls("cuMemUnmap");
     cuda.allocate(MIB).unwrap();
     let base = cuda.reserve(4 * MIB).unwrap();
-    cuda.map(base, 4 * MIB).unwrap();
+    cuda.map(base, 4 * MIB, 2 * MIB).unwrap();
     cuda.create_stream().unwrap();
     cuda.record_event(DEFAULT_STREAM).unwrap();
     drop(cuda);
-    assert_eq!(calls("cuMemRelease"), before + 2, "both mapped pages released on close");
+    assert_eq!(calls("cuMemUnmap"), before + 2, "both mapped pages unmapped on close");
 }
 
 #[test]
@@ -396,7 +414,7 @@ fn closing_waits_for_work_before_unmapping() {
     let side = cuda.create_stream().unwrap();
     let handle = cuda.stream_handle(side).unwrap();
     let base = cuda.reserve(4 * MIB).unwrap();
-    cuda.map(base, 4 * MIB).unwrap();
+    cuda.map(base, 4 * MIB, 2 * MIB).unwrap();
     let before = fake.violations();
     fake.launch(handle, base, 4 * MIB, 0x33);
     drop(cuda);

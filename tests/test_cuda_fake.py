@@ -448,3 +448,88 @@ def test_copies_wait_for_the_work_on_the_blocks_stream(fake):
     )
     assert result["data"] == "after the kernel", "the copy ran before the kernel queued ahead of it"
     assert result["violations"] == 0
+
+
+def test_pages_below_the_drivers_granularity_are_rounded_up(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="page_size_mb:2")
+        ptrs = [pool.alloc(5 << 20) for _ in range(3)]
+        ptrs[2].copy_from_host(b"x" * (5 << 20))
+        report(page=pool.config["page_size_mb"], held=pool.device_memory_held())
+        """,
+        fake,
+        granularity=4 * MiB,
+    )
+    assert result["page"] == 4, "the effective page is the driver's granularity"
+    assert result["held"] % (4 * MiB) == 0
+
+
+def test_a_failed_unmap_leaves_no_block_on_unbacked_pages(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="strategy:expandable")
+        ptrs = [pool.alloc(7 << 20) for _ in range(6)]
+        del ptrs
+        try:
+            pool.empty_cache()
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        pool.check_invariants()  # the device holds exactly what the page map says is mapped
+        held_after_failure = pool.device_memory_held()
+        again = [pool.alloc(7 << 20) for _ in range(6)]
+        for p in again:
+            p.copy_from_host(b"y" * (7 << 20))  # the fake refuses copies to unbacked pages
+        pool.check_invariants()
+        report(error=error, held=held_after_failure, violations=violations())
+        """,
+        fake,
+        fail_unmap=3,
+    )
+    assert "cuMemUnmap" in result["error"]
+    assert result["held"] > 0, "pages after the failure stay mapped and known"
+    assert result["violations"] == 0
+
+
+def test_shareable_handles_and_peer_access(fake):
+    result = fake_driver.run(
+        """
+        lib = driver()
+        def exportable(ptr):
+            handle = ctypes.c_ulonglong()
+            assert lib.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(ptr.ptr)) == 0
+            fd = ctypes.c_int(-1)
+            status = lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, 1, ctypes.c_ulonglong(0))
+            lib.cuMemRelease(handle)
+            return status == 0 and fd.value >= 0
+        plain = gpupool.Pool("cuda:0")
+        shared = gpupool.Pool("cuda:0", config="shareable_handle:posix_fd,peer_access:[1]")
+        a, b = plain.alloc(1 << 20), shared.alloc(1 << 20)
+        b.copy_from_host(b"peer")
+        report(plain=exportable(a), shared=exportable(b), config=[shared.config["shareable_handle"],
+               shared.config["peer_access"]], peer_checks=calls("cuDeviceCanAccessPeer"))
+        """,
+        fake,
+        device_count=2,
+    )
+    assert not result["plain"] and result["shared"], "only posix_fd pages can be exported"
+    assert result["config"] == ["posix_fd", [1]]
+    assert result["peer_checks"] == 1
+
+
+def test_an_unreachable_peer_is_named(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="peer_access:[3]")
+        try:
+            pool.alloc(1 << 20)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        report(error=error)
+        """,
+        fake,
+        device_count=2,
+    )
+    assert "peer_access: cuda:3 cannot access cuda:0" in result["error"]

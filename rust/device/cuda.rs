@@ -18,7 +18,7 @@
 pub mod driver;
 pub mod vmm;
 
-use super::{check_capacity, Device, DeviceError, EventId, MemoryInfo, StreamId, DEFAULT_STREAM};
+use super::{check_capacity, Device, DeviceError, EventId, MappingOptions, MemoryInfo, StreamId, DEFAULT_STREAM};
 use cudarc::driver::sys;
 use driver::{check, check_alloc, check_ready, Context};
 use std::collections::{BTreeMap, HashMap};
@@ -403,8 +403,16 @@ impl Device for Cuda {
         self.unreserve_range(address)
     }
 
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        self.map_range(address, size)
+    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
+        self.map_range(address, size, page)
+    }
+
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        self.page_size()
+    }
+
+    fn set_mapping_options(&mut self, options: &MappingOptions) {
+        self.mapping_options(options);
     }
 
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {

@@ -86,11 +86,17 @@ impl<D: Device> Device for Faulty<D> {
         self.inner.unreserve(address)
     }
     /// Mapping pages is how expandable pools obtain memory, so it fails like `allocate`.
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
         if self.refuse_this_call() {
             return Err(DeviceError::OutOfMemory { requested: size });
         }
-        self.inner.map(address, size)
+        self.inner.map(address, size, page)
+    }
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        self.inner.mapping_granularity()
+    }
+    fn set_mapping_options(&mut self, options: &super::MappingOptions) {
+        self.inner.set_mapping_options(options)
     }
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
         self.inner.unmap(address, size)

@@ -114,7 +114,8 @@ impl Device for Host {
         Ok(())
     }
 
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+    /// Any sub-range can be unmapped later, so `page` needs no bookkeeping.
+    fn map(&mut self, address: u64, size: u64, _page: u64) -> Result<(), DeviceError> {
         self.reservations.check_unmapped(address, size)?;
         check_capacity(self.capacity, self.held, size)?;
         Self::protect(address, size, libc::PROT_READ | libc::PROT_WRITE)?;
@@ -216,12 +217,12 @@ mod tests {
         let mut host = Host::new(Some(8 << 20));
         let base = host.reserve(1 << 30).unwrap();
         assert!(host.write(DEFAULT_STREAM, base, b"x").is_err(), "unmapped");
-        host.map(base + (2 << 20), 4 << 20).unwrap();
+        host.map(base + (2 << 20), 4 << 20, 2 << 20).unwrap();
         host.write(DEFAULT_STREAM, base + (3 << 20), b"page").unwrap();
         let mut out = [0u8; 4];
         host.read(DEFAULT_STREAM, base + (3 << 20), &mut out).unwrap();
         assert_eq!(&out, b"page");
-        assert!(host.map(base + (8 << 20), 6 << 20).is_err(), "capacity");
+        assert!(host.map(base + (8 << 20), 6 << 20, 2 << 20).is_err(), "capacity");
         host.unmap(base + (2 << 20), 4 << 20).unwrap();
         assert!(host.read(DEFAULT_STREAM, base + (3 << 20), &mut out).is_err());
         host.unreserve(base).unwrap();

@@ -75,6 +75,15 @@ impl fmt::Display for DeviceError {
     }
 }
 
+/// How paged memory is made (the `shareable_handle` and `peer_access` settings).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MappingOptions {
+    /// Physical memory exportable as a POSIX file descriptor (for IPC and NCCL peer-to-peer).
+    pub shareable: bool,
+    /// Other devices granted read/write access to mapped memory.
+    pub peers: Vec<i32>,
+}
+
 /// What a device has: `total` is its capacity (None for "whatever the host gives").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -146,14 +155,28 @@ pub trait Device: Send {
         Err(DeviceError::InvalidAddress(address))
     }
     /// Backs `[address, address + size)` of a reservation with memory; counts against capacity
-    /// (`OutOfMemory` when it would exceed it). The range must be unmapped.
-    fn map(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
+    /// (`OutOfMemory` when it would exceed it). The range must be unmapped, and `size` a multiple
+    /// of `page`: the unit that `unmap` will later take back on its own (on CUDA, one physical
+    /// allocation each; access is granted once for the whole range). All or nothing: on error
+    /// nothing stays mapped.
+    fn map(&mut self, address: u64, _size: u64, _page: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }
-    /// Returns the memory behind a mapped range of a reservation to the device.
+    /// Returns the memory behind mapped pages of a reservation to the device: whole `page`s as
+    /// given to `map`. All or nothing for one page; the pool unmaps page by page so that a failure
+    /// leaves its page map and the device agreeing.
     fn unmap(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }
+    /// The smallest unit `map` can work in (CUDA's allocation granularity); pages must be
+    /// multiples of it.
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        Ok(1)
+    }
+    /// How mapped memory is made from now on: shareable with other processes, accessible from
+    /// peer devices. Devices without such things ignore the options; a device that cannot honour
+    /// them says so at the next `map`.
+    fn set_mapping_options(&mut self, _options: &MappingOptions) {}
 }
 
 /// Implements the stream and event calls of [`Device`] by forwarding to field `$field`.
@@ -270,8 +293,14 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
         (**self).unreserve(address)
     }
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        (**self).map(address, size)
+    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
+        (**self).map(address, size, page)
+    }
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        (**self).mapping_granularity()
+    }
+    fn set_mapping_options(&mut self, options: &MappingOptions) {
+        (**self).set_mapping_options(options)
     }
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
         (**self).unmap(address, size)

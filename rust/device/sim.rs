@@ -63,7 +63,8 @@ impl Device for Sim {
         self.reservations.remove(address).map(|_| ())
     }
 
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+    /// Any sub-range can be unmapped later, so `page` needs no bookkeeping.
+    fn map(&mut self, address: u64, size: u64, _page: u64) -> Result<(), DeviceError> {
         self.reservations.check_unmapped(address, size)?;
         check_capacity(Some(self.capacity), self.held, size)?;
         self.reservations.map(address, size)?;
@@ -115,10 +116,10 @@ mod tests {
     fn mapping_counts_against_capacity() {
         let mut sim = Sim::new(8 << 20);
         let base = sim.reserve(1 << 40).unwrap();
-        sim.map(base, 6 << 20).unwrap();
-        assert_eq!(sim.map(base + (6 << 20), 4 << 20), Err(DeviceError::OutOfMemory { requested: 4 << 20 }));
+        sim.map(base, 6 << 20, 2 << 20).unwrap();
+        assert_eq!(sim.map(base + (6 << 20), 4 << 20, 2 << 20), Err(DeviceError::OutOfMemory { requested: 4 << 20 }));
         sim.unmap(base, 2 << 20).unwrap();
-        sim.map(base + (6 << 20), 4 << 20).unwrap();
+        sim.map(base + (6 << 20), 4 << 20, 2 << 20).unwrap();
         assert_eq!(sim.memory_info().held, 8 << 20);
         assert!(sim.unreserve(base).is_err());
         sim.unmap(base + (2 << 20), 8 << 20).unwrap();

@@ -212,7 +212,7 @@ impl Expandable {
         if limit.is_some_and(|limit| reserved + bytes > limit) {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
-        device.map(range.base + run.start * page_size, bytes)?;
+        device.map(range.base + run.start * page_size, bytes, page_size)?;
         range.set(run, true);
         heap.note_mapped(segment, bytes, true);
         heap.stats_mut().num_device_map += 1;
@@ -252,16 +252,21 @@ impl Expandable {
                 if first >= end {
                     continue;
                 }
+                // One page per call: the device can unmap each on its own (on CUDA, one
+                // mapping each), so a failure leaves every page before it unmapped and recorded
+                // as such, and the rest mapped.
                 for run in range.runs(first..end, true) {
-                    let bytes = (run.end - run.start) * page_size;
-                    device.unmap(range.base + run.start * page_size, bytes)?;
-                    if let Some(calls) = self.calls.as_mut() {
-                        calls.push((false, range.base + run.start * page_size, bytes));
+                    for page in run {
+                        let address = range.base + page * page_size;
+                        device.unmap(address, page_size)?;
+                        if let Some(calls) = self.calls.as_mut() {
+                            calls.push((false, address, page_size));
+                        }
+                        range.set(page..page + 1, false);
+                        heap.note_mapped(range.segment, page_size, false);
+                        heap.stats_mut().num_device_unmap += 1;
+                        released += page_size;
                     }
-                    range.set(run, false);
-                    heap.note_mapped(range.segment, bytes, false);
-                    heap.stats_mut().num_device_unmap += 1;
-                    released += bytes;
                 }
             }
         }

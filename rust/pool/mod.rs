@@ -47,11 +47,12 @@ pub struct Pool<D: Device> {
 }
 
 impl<D: Device> Pool<D> {
-    pub fn new(device: D, config: Config) -> Self {
+    pub fn new(mut device: D, config: Config) -> Self {
         let mut heap = Heap::new(config.rules.clone());
         if config.cross_stream_reuse == CrossStreamReuse::Never {
             heap.keep_shared_apart();
         }
+        let config = Self::fit_pages_to(&mut device, config);
         let expandable = config.page_size.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
         let mut pool = Pool {
@@ -66,6 +67,21 @@ impl<D: Device> Pool<D> {
         };
         pool.preallocate();
         pool
+    }
+
+    /// Paged strategies: pages are whole multiples of what the device maps in (CUDA's
+    /// granularity, asked of the driver: a smaller `page_size_mb` would fail every map), and the
+    /// device makes them as `shareable_handle` / `peer_access` say. The effective page size is
+    /// what `config()` reports. A device that cannot map at all is left to fail the first map,
+    /// with the driver's reason.
+    fn fit_pages_to(device: &mut D, mut config: Config) -> Config {
+        if let Some(page) = config.page_size {
+            device.set_mapping_options(&config.mapping);
+            if let Ok(granularity) = device.mapping_granularity() {
+                config.page_size = Some(page.next_multiple_of(granularity));
+            }
+        }
+        config
     }
 
     pub fn device(&self) -> &D {

@@ -55,6 +55,7 @@ pub const VMM_SYMBOLS: &[&str] = &[
     "cuMemMap",
     "cuMemUnmap",
     "cuMemSetAccess",
+    "cuDeviceCanAccessPeer",
 ];
 
 /// What the probe learned about the installed driver.
