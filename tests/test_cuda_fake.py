@@ -533,3 +533,35 @@ def test_an_unreachable_peer_is_named(fake):
         device_count=2,
     )
     assert "peer_access: cuda:3 cannot access cuda:0" in result["error"]
+
+
+@pytest.mark.parametrize("config", ["", "strategy:expandable", "strategy:pytorch", "backend:cudaMallocAsync"])
+def test_the_pool_counts_the_driver_calls_the_backend_makes(fake, config):
+    result = fake_driver.run(
+        f"""
+        KINDS = {{"malloc": ("cuMemAlloc_v2", "cuMemAllocAsync"), "free": ("cuMemFree_v2", "cuMemFreeAsync"),
+                  "reserve": ("cuMemAddressReserve",), "unreserve": ("cuMemAddressFree",),
+                  "create": ("cuMemCreate",), "map": ("cuMemMap",), "set_access": ("cuMemSetAccess",),
+                  "unmap": ("cuMemUnmap",), "release": ("cuMemRelease",)}}
+        def workload(pool):
+            live = []
+            for i in range(60):
+                live.append(pool.alloc((i % 7 + 1) * 700_000 + i * 4096))
+                if i % 3 == 2:
+                    live.pop(i % len(live)).free()
+            del live
+            pool.empty_cache()
+            pool.alloc(30 << 20).free()
+            return {{kind: pool.memory_stats()["num_driver_" + kind] for kind in KINDS}}
+        pool = gpupool.Pool("cuda:0", config={config!r})  # kept open: closing it makes calls of its own
+        counted = workload(pool)
+        made = {{kind: sum(calls(name) for name in names) for kind, names in KINDS.items()}}
+        simulated = workload(gpupool.Pool("sim", capacity="1GiB", config={config!r}))
+        report(counted=counted, made=made, simulated=simulated)
+        """,
+        fake,
+    )
+    assert result["counted"] == result["made"], "the pool's count is what the driver was asked"
+    if "cudaMallocAsync" not in config:
+        assert result["simulated"] == result["counted"], "a replay on sim counts the same calls"
+    assert sum(result["counted"].values()) > 0

@@ -187,7 +187,10 @@ class ReplayResult:
     def device_allocs(self) -> int: ...
     @property
     def device_calls(self) -> int:
-        """Segment allocations and releases plus page maps and unmaps."""
+        """Driver calls that obtain or return memory, as the CUDA backend makes them."""
+    @property
+    def driver_calls(self) -> dict[str, int]:
+        """Those calls by kind: malloc, free, reserve, unreserve, create, map, set_access, unmap, release."""
     @property
     def device_calls_per_1k_allocs(self) -> float: ...
     @property

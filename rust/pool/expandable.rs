@@ -124,6 +124,7 @@ impl Expandable {
         let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded.saturating_mul(2));
         let size = wanted.div_ceil(self.page_size) * self.page_size;
         let base = device.reserve(size)?;
+        heap.stats_mut().driver.reserve += 1;
         let segment = heap.add_expandable_segment(base, size, kind, stream);
         let pages = size / self.page_size;
         let map_ahead = if kind == PoolKind::Small { SMALL_MAP_AHEAD } else { MAP_AHEAD };
@@ -213,6 +214,7 @@ impl Expandable {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
         device.map(range.base + run.start * page_size, bytes, page_size)?;
+        heap.stats_mut().driver.mapped_run(run.end - run.start);
         range.set(run, true);
         heap.note_mapped(segment, bytes, true);
         heap.stats_mut().num_device_map += 1;
@@ -265,6 +267,7 @@ impl Expandable {
                         range.set(page..page + 1, false);
                         heap.note_mapped(range.segment, page_size, false);
                         heap.stats_mut().num_device_unmap += 1;
+                        heap.stats_mut().driver.unmap += 1;
                         released += page_size;
                     }
                 }

@@ -41,7 +41,9 @@ impl<D: Device> Pool<D> {
             return Err(DeviceError::OutOfMemory { requested: size });
         }
         let address = self.device.allocate_on(size, stream)?;
-        self.heap.stats_mut().num_device_alloc += 1;
+        let stats = self.heap.stats_mut();
+        stats.num_device_alloc += 1;
+        stats.driver.malloc += 1;
         Ok(address)
     }
 

@@ -370,10 +370,12 @@ impl<D: Device> Pool<D> {
             if let Some(pages) = self.expandable.as_mut().filter(|p| p.is_range(address)) {
                 pages.forget(address);
                 self.device.unreserve(address)?;
+                self.heap.stats_mut().driver.unreserve += 1;
                 continue;
             }
             self.device.release(address)?;
             self.heap.stats_mut().num_device_free += 1;
+            self.heap.stats_mut().driver.free += 1;
             self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
             bytes += size;
         }

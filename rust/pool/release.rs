@@ -109,6 +109,7 @@ impl<D: Device> Pool<D> {
         let (address, size) = self.heap.release_idle_segment(sid);
         self.device.release(address)?;
         self.heap.stats_mut().num_device_free += 1;
+        self.heap.stats_mut().driver.free += 1;
         self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
         Ok(size)
     }
