@@ -256,3 +256,35 @@ def test_the_numba_plugin_reports_the_drivers_memory_figures(fake):
     free, total = result["info"]
     assert total == 256 * MiB and free == total - result["held"], "cuMemGetInfo's figures"
     assert result["live"] == 0
+
+
+def test_numba_ipc_handles_for_plain_segments_and_a_clear_refusal_for_pages(fake):
+    result = run(
+        (
+            """
+        import os
+        import gpupool.numba
+        from numba import cuda
+        outcomes = {}
+        for config in ("strategy:pytorch", ""):
+            os.environ["GPUPOOL_ALLOC_CONF"] = config
+            manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+            manager.initialize()
+            pointer = manager.memalloc(3 << 20)
+            try:
+                outcomes[config or "default"] = list(manager.get_ipc_handle(pointer))
+            except RuntimeError as e:
+                outcomes[config or "default"] = str(e)
+        plain = gpupool.Pool("cuda:0", config="strategy:pytorch")
+        a, b = plain.alloc(1 << 20), plain.alloc(1 << 20)
+        raw, offset = _native._ipc_handle(plain, b.ptr)
+        report(outcomes=outcomes, prefix=bytes(raw[:7]).decode(), offset=offset, base_offset=b.ptr - a.ptr,
+               length=len(raw))
+        """,
+        ),
+        fake,
+    )
+    assert result["outcomes"]["strategy:pytorch"] == ["ipc handle", 3 * MiB]
+    assert "strategy:pytorch" in result["outcomes"]["default"], "paged memory has no CUDA IPC handle"
+    assert result["prefix"] == "fakeipc" and result["length"] == 64
+    assert result["offset"] == result["base_offset"], "the handle is the segment's, with the block's offset"

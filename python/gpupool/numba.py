@@ -25,10 +25,16 @@ def _device_pointer(address: int) -> Any:
     return ctypes.c_uint64(address)
 
 
-def _build() -> type:
-    from numba.cuda import HostOnlyCUDAMemoryManager, MemoryPointer
+def _address(memory: Any) -> int:
+    """A Numba MemoryPointer's device address, with or without the NVIDIA binding."""
+    pointer = memory.device_pointer
+    return int(pointer) if not hasattr(pointer, "value") else int(pointer.value)
 
-    class GpupoolMemoryManager(HostOnlyCUDAMemoryManager):
+
+def _build() -> type:
+    from numba.cuda import GetIpcHandleMixin, HostOnlyCUDAMemoryManager, MemoryPointer
+
+    class GpupoolMemoryManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         """Device memory from one gpupool pool per Numba context; host memory as Numba does it."""
 
         def initialize(self) -> None:
@@ -56,7 +62,11 @@ def _build() -> type:
             return MemoryInfo(free=free, total=total)
 
         def get_ipc_handle(self, memory: MemoryPointer) -> Any:
-            raise NotImplementedError("gpupool does not export IPC handles")
+            # A CUDA IPC handle exists for the pool's cuMemAlloc segments (strategies with plain
+            # segments, such as strategy:pytorch); gpupool says clearly when the memory has none,
+            # then Numba's own mixin builds the IpcHandle its receiving side opens.
+            gpupool._native._ipc_handle(self.pool, _address(memory))
+            return GetIpcHandleMixin.get_ipc_handle(self, memory)
 
         def reset(self) -> None:
             super().reset()

@@ -411,6 +411,26 @@ impl Device for Cuda {
         self.page_size()
     }
 
+    /// CUDA's IPC handle (`cuIpcGetMemHandle`) of the `cuMemAlloc` segment holding `address`,
+    /// which another process opens with `cuIpcOpenMemHandle` (as Numba's and PyTorch's IPC do).
+    /// Pages of reserved ranges and the driver's stream-ordered pool have no such handle.
+    fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        let (&base, _) = self
+            .live
+            .range(..=address)
+            .next_back()
+            .filter(|(&base, s)| address < base + s.size && self.mode == Mode::Direct)
+            .ok_or(DeviceError::Unsupported(
+                "IPC handles for paged or stream-ordered memory (a pool with plain segments, such as \
+                 strategy:pytorch, has them)",
+            ))?;
+        let _current = self.context.enter()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `base` is a live cuMemAlloc allocation of ours; 64 bytes written.
+        check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, base) })?;
+        Ok((handle.reserved.iter().map(|&b| b as u8).collect(), address - base))
+    }
+
     fn set_mapping_options(&mut self, options: &MappingOptions) {
         self.mapping_options(options);
     }

@@ -95,6 +95,9 @@ impl<D: Device> Device for Faulty<D> {
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
         self.inner.mapping_granularity()
     }
+    fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        self.inner.ipc_handle(address)
+    }
     fn set_mapping_options(&mut self, options: &super::MappingOptions) {
         self.inner.set_mapping_options(options)
     }

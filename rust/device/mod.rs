@@ -168,6 +168,11 @@ pub trait Device: Send {
     fn unmap(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }
+    /// An inter-process handle for the allocation holding `address`: the driver's bytes and the
+    /// offset of `address` in that allocation. Devices without IPC answer `Unsupported`.
+    fn ipc_handle(&mut self, _address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        Err(DeviceError::Unsupported("IPC handles"))
+    }
     /// The smallest unit `map` can work in (CUDA's allocation granularity); pages must be
     /// multiples of it.
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
@@ -298,6 +303,9 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
         (**self).mapping_granularity()
+    }
+    fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        (**self).ipc_handle(address)
     }
     fn set_mapping_options(&mut self, options: &MappingOptions) {
         (**self).set_mapping_options(options)

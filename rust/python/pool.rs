@@ -111,6 +111,11 @@ fn block_state(state: BlockState) -> &'static str {
 }
 
 impl PyPool {
+    /// What the pool's pointers share (for module functions that reach its device).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     fn stat(&self, metric: Metric) -> PyResult<(u64, u64)> {
         let s = self.shared.lock()?.stats().get(metric, StatType::All);
         Ok((s.current, s.peak))

@@ -39,6 +39,7 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuIpcGetMemHandle",
 ];
 
 /// The driver's stream-ordered pool, for [`super::Mode::Async`].

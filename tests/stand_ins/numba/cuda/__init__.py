@@ -24,6 +24,13 @@ class HostOnlyCUDAMemoryManager:
         self.allocations.clear()
 
 
+class GetIpcHandleMixin:
+    """Numba's default get_ipc_handle builds an IpcHandle from cuIpcGetMemHandle; here, a tuple."""
+
+    def get_ipc_handle(self, memory):
+        return ("ipc handle", memory.size)
+
+
 class MemoryPointer:
     def __init__(self, context, pointer, size, finalizer=None):
         self.context, self.device_pointer, self.size, self._finalizer = context, pointer, size, finalizer
