@@ -1,11 +1,13 @@
-//! The cuda backend against the fake driver of tests/fake_cuda (feature `cuda`): page
-//! bookkeeping of reserved ranges, streams and events, copies, and a pool on top.
+//! The cuda backend against the strict fake driver of tests/fake_cuda (feature `cuda`): mapped
+//! runs and their driver calls, streams and events, copies ordered on their stream, the caller's
+//! context kept, teardown after the device's work, graph capture, and a pool on top.
 //!
 //! The fake is compiled with the machine's C compiler and loaded by absolute path before cudarc
 //! looks for a driver; its soname is `libcuda.so`, the first name cudarc asks the loader for, so
 //! the loader hands cudarc the library already in the process. One fake serves the whole test
 //! binary, so these tests use no failure switches (tests/test_cuda_fake.py covers those, one
-//! process each). Nothing here measures a GPU.
+//! process each). Without a C compiler to build the fake, the tests fail and say so. Nothing
+//! here measures a GPU.
 #![cfg(feature = "cuda")]
 
 use gpupool::device::{Cuda, CudaMode, Device, DeviceError, DEFAULT_STREAM};

@@ -203,8 +203,8 @@ impl Cuda {
             mapped.push(at);
             Ok(())
         });
-        // SAFETY: the run was just mapped in full; the descriptors are valid for the call.
         let outcome = outcome.and_then(|()| {
+            // SAFETY: the run was just mapped in full; the descriptors are valid for the call.
             check("cuMemSetAccess", unsafe {
                 sys::cuMemSetAccess(address, size as usize, access.as_ptr(), access.len())
             })
