@@ -288,3 +288,35 @@ def test_numba_ipc_handles_for_plain_segments_and_a_clear_refusal_for_pages(fake
     assert "strategy:pytorch" in result["outcomes"]["default"], "paged memory has no CUDA IPC handle"
     assert result["prefix"] == "fakeipc" and result["length"] == 64
     assert result["offset"] == result["base_offset"], "the handle is the segment's, with the block's offset"
+
+
+def test_numba_ipc_through_shareable_handles(fake):
+    result = run(
+        (
+            """
+        import os, pickle
+        os.environ["GPUPOOL_ALLOC_CONF"] = "shareable_handle:posix_fd"
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        pointer = manager.memalloc(5 << 20)
+        handle = manager.get_ipc_handle(pointer)
+        pages = len(handle.export[1])
+        received = pickle.loads(pickle.dumps(handle))  # what another process gets
+        opened = received.open(cuda.context_for(0))
+        address = opened.device_pointer.value
+        unmaps = calls("cuMemUnmap")
+        received.close()
+        report(pages=pages, exported=calls("cuMemExportToShareableHandle"),
+               imported=calls("cuMemImportFromShareableHandle"), unmapped=calls("cuMemUnmap") - unmaps,
+               address=address, own=pointer.device_pointer.value, offset=handle.offset, size=opened.size)
+        """,
+        ),
+        fake,
+    )
+    assert result["pages"] >= 3, "5 MiB spans at least three 2 MiB pages, one descriptor each"
+    assert result["exported"] == result["imported"] == result["pages"]
+    assert result["unmapped"] == result["pages"], "closing unmaps the imported pages"
+    assert result["address"] != result["own"], "mapped at an address range of the importer's own"
+    assert result["size"] == 5 * MiB

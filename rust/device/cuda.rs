@@ -16,9 +16,12 @@
 //! path can panic: [`driver::probe`] checks the library and its symbols before the first call.
 
 pub mod driver;
+pub mod ipc;
 pub mod vmm;
 
-use super::{check_capacity, Device, DeviceError, EventId, MappingOptions, MemoryInfo, StreamId, DEFAULT_STREAM};
+use super::{
+    check_capacity, Device, DeviceError, EventId, ExportedPages, MappingOptions, MemoryInfo, StreamId, DEFAULT_STREAM,
+};
 use cudarc::driver::sys;
 use driver::{check, check_alloc, check_ready, Context};
 use std::collections::{BTreeMap, HashMap};
@@ -409,6 +412,10 @@ impl Device for Cuda {
 
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
         self.page_size()
+    }
+
+    fn export_pages(&mut self, address: u64, len: u64) -> Result<ExportedPages, DeviceError> {
+        self.export_range(address, len)
     }
 
     /// CUDA's IPC handle (`cuIpcGetMemHandle`) of the `cuMemAlloc` segment holding `address`,

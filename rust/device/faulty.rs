@@ -98,6 +98,9 @@ impl<D: Device> Device for Faulty<D> {
     fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
         self.inner.ipc_handle(address)
     }
+    fn export_pages(&mut self, address: u64, len: u64) -> Result<super::ExportedPages, DeviceError> {
+        self.inner.export_pages(address, len)
+    }
     fn set_mapping_options(&mut self, options: &super::MappingOptions) {
         self.inner.set_mapping_options(options)
     }

@@ -84,6 +84,16 @@ pub struct MappingOptions {
     pub peers: Vec<i32>,
 }
 
+/// Pages exported for another process: the exporter's pid, one file descriptor per physical
+/// allocation (with its size, in address order), and where the range asked for starts in the
+/// first. The exporting process closes the descriptors once the other side has duplicated them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedPages {
+    pub pid: u32,
+    pub pages: Vec<(i32, u64)>,
+    pub offset: u64,
+}
+
 /// What a device has: `total` is its capacity (None for "whatever the host gives").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -172,6 +182,11 @@ pub trait Device: Send {
     /// offset of `address` in that allocation. Devices without IPC answer `Unsupported`.
     fn ipc_handle(&mut self, _address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
         Err(DeviceError::Unsupported("IPC handles"))
+    }
+    /// File descriptors for the pages under `[address, address + len)`, for another process to
+    /// map (CUDA with `shareable_handle:posix_fd`); others answer `Unsupported`.
+    fn export_pages(&mut self, _address: u64, _len: u64) -> Result<ExportedPages, DeviceError> {
+        Err(DeviceError::Unsupported("exporting pages to other processes"))
     }
     /// The smallest unit `map` can work in (CUDA's allocation granularity); pages must be
     /// multiples of it.
@@ -306,6 +321,9 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
         (**self).ipc_handle(address)
+    }
+    fn export_pages(&mut self, address: u64, len: u64) -> Result<ExportedPages, DeviceError> {
+        (**self).export_pages(address, len)
     }
     fn set_mapping_options(&mut self, options: &MappingOptions) {
         (**self).set_mapping_options(options)

@@ -6,6 +6,8 @@ mod device_ptr;
 mod dlpack;
 mod error;
 mod interop;
+#[cfg(feature = "cuda")]
+mod ipc;
 mod pool;
 mod replay;
 mod stream;
@@ -26,6 +28,8 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfMemoryError", m.py().get_type::<error::OutOfMemoryError>())?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     cuda::register(m)?;
+    #[cfg(feature = "cuda")]
+    ipc::register(m)?;
     Ok(())
 }
 

@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -120,6 +121,8 @@ static struct stream *streams[MAX_ITEMS];
 static struct event *events[MAX_ITEMS];
 static struct physical *physicals[MAX_ITEMS];
 static struct reservation reservations[256];
+/* Exported allocations, by the inode of the descriptor that stands for each. */
+static struct { ino_t inode; struct physical *physical; } exports[MAX_ITEMS];
 static int reservation_count;
 static unsigned long long next_serial = 1, next_order = 1;
 static int global_captures;
@@ -910,6 +913,8 @@ static void maybe_destroy(struct physical *p) {
     if (p->retains > 0 || p->mappings > 0) return;
     used[p->device] -= p->size;
     physicals[find((void **)physicals, p)] = NULL;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (exports[i].physical == p) exports[i].physical = NULL;
     free(p);
 }
 
@@ -936,15 +941,41 @@ CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *out, void *ad
     LEAVE;
 }
 
-/* Handle type 1 is CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; the fd here stands for the memory. */
+/* Handle type 1 is CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR. An export is a fresh memfd whose inode
+ * stands for the physical allocation; an import (in this process: the fake's memory is its own)
+ * finds the allocation again by the inode of the descriptor it is given. */
+
 CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle, int type,
                                       unsigned long long flags) {
     ENTER(0);
     struct physical *p = physical_of(handle);
     if (!shareable || !p || type != 1 || flags || !(p->handle_types & 1)) FAIL(CUDA_ERROR_INVALID_VALUE);
-    int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
-    *(int *)shareable = fd;
+    int fd = memfd_create("fake_cuda_export", MFD_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (!exports[i].physical) {
+            exports[i].inode = st.st_ino;
+            exports[i].physical = p;
+            *(int *)shareable = fd;
+            goto out;
+        }
+    close(fd);
+    FAIL(CUDA_ERROR_OUT_OF_MEMORY);
+    LEAVE;
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *out, void *os_handle, int type) {
+    ENTER(0);
+    struct stat st;
+    if (!out || type != 1 || fstat((int)(intptr_t)os_handle, &st) != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (exports[i].physical && exports[i].inode == st.st_ino && find((void **)physicals, exports[i].physical) >= 0) {
+            exports[i].physical->retains++;
+            *out = (CUmemGenericAllocationHandle)(uintptr_t)exports[i].physical;
+            goto out;
+        }
+    FAIL(CUDA_ERROR_INVALID_VALUE);
     LEAVE;
 }
 

@@ -88,6 +88,13 @@ fn allocation_properties(ordinal: i32, shareable: bool) -> sys::CUmemAllocationP
     }
 }
 
+/// Read/write access for `ordinal` and each of `peers`.
+pub(super) fn device_access(ordinal: i32, peers: &[i32]) -> Vec<sys::CUmemAccessDesc> {
+    let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    let devices = std::iter::once(ordinal).chain(peers.iter().copied());
+    devices.map(|d| sys::CUmemAccessDesc { location: device_location(d), flags: rw }).collect()
+}
+
 fn device_location(ordinal: i32) -> sys::CUmemLocation {
     sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
 }
@@ -159,6 +166,25 @@ impl Cuda {
         Ok(base)
     }
 
+    /// Whether pages are made exportable (`shareable_handle:posix_fd`).
+    pub(super) fn shares_pages(&self) -> bool {
+        self.reservations.options.shareable
+    }
+
+    /// The mappings that together cover `[address, end)`, in order; `None` unless all of it is
+    /// mapped.
+    pub(super) fn mappings_covering(&self, address: u64, end: u64) -> Option<Vec<(u64, u64)>> {
+        let (_, r) = self.reservations.holding(address)?;
+        let mut covering = Vec::new();
+        let mut at = address;
+        while at < end {
+            let (&start, &size) = r.mappings.range(..=at).next_back().filter(|(&s, &l)| s + l > at)?;
+            covering.push((start, size));
+            at = start + size;
+        }
+        Some(covering)
+    }
+
     /// The access descriptors for mapped memory: this device, then each peer, read/write.
     fn access(&mut self) -> Result<Vec<sys::CUmemAccessDesc>, DeviceError> {
         let ordinal = self.ordinal();
@@ -175,9 +201,7 @@ impl Cuda {
             }
             self.reservations.peers_checked = true;
         }
-        let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        let devices = std::iter::once(ordinal).chain(self.reservations.options.peers.iter().copied());
-        Ok(devices.map(|d| sys::CUmemAccessDesc { location: device_location(d), flags: rw }).collect())
+        Ok(device_access(ordinal, &self.reservations.options.peers))
     }
 
     /// Backs `[address, address + size)` with one physical allocation per `page`, mapped each,

@@ -9,6 +9,9 @@ class _Device:
     def __init__(self, id):
         self.id = id
 
+    def get_device_identity(self):
+        return {"pci_domain_id": 0, "pci_bus_id": self.id, "pci_device_id": 0}
+
 
 class _Context:
     def __init__(self, device):
