@@ -1,4 +1,4 @@
-//! `gpupool._native.SharedPages` and the functions that export and import pages between
+//! `gpupool._native._SharedPages` and the functions that export and import pages between
 //! processes (`shareable_handle:posix_fd`); gpupool.numba's IPC handles use them.
 
 use super::error::pool_error;
@@ -23,7 +23,7 @@ fn _export_pages(py: Python<'_>, pool: &PyPool, address: u64, size: u64) -> PyRe
 }
 
 /// Another process's pages mapped into this one; `close()` (or dropping it) unmaps them.
-#[pyclass(name = "SharedPages", module = "gpupool._native", frozen)]
+#[pyclass(name = "_SharedPages", module = "gpupool._native", frozen)]
 pub struct PySharedPages {
     pages: Mutex<Option<ImportedPages>>,
     base: u64,
