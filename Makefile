@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) $(shell find rust -name '*.rs' 2>/dev/null)
 
-.PHONY: install test lint bench
+.PHONY: install test lint bench fuzz
 
 install: .venv/.installed
 
@@ -28,3 +28,7 @@ lint: install
 bench: install
 	cargo bench
 	$(PY) benches/bench_api.py
+
+# The misuse machine and the property suites with fresh seeds for MINUTES (60); SEED=n replays one round.
+fuzz: install
+	$(PY) tests/fuzz.py --minutes $(or $(MINUTES),60) $(if $(SEED),--seed $(SEED))

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU (and no Rust), install a gpupool wheel built
-# elsewhere, run the CUDA tests, then the GPU benchmark. Meant to finish within 4 minutes.
+# elsewhere and run benches/gpu_check.py, which writes $OUT/gpu_check.json. Meant to finish
+# within five minutes.
 #
 # Here (with Rust):   maturin build --release --out target/wheels
 # On the GPU machine: bash benches/gpu_check.sh            (the `device` tool: carry target/wheels)
 #
-# Environment: GPUPOOL_WHEEL (default: the newest abi3 wheel in target/wheels), OUT (where logs,
-# the table and the raw timings go; default /tmp/gpupool-gpu-check), PYTHON (default python3).
+# Environment: GPUPOOL_WHEEL (default: the newest abi3 wheel in target/wheels), OUT (where the
+# report, logs and raw timings go; default /tmp/gpupool-gpu-check), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,18 +37,10 @@ echo "== machine"
     "$PYTHON" -c 'import cupy; print("cupy", cupy.__version__)' 2>/dev/null
 } | tee "$OUT/machine.txt"
 
-status=0
-echo "== CUDA tests"
-# The suite's pytest settings stay (warnings are errors); only unknown-option warnings are let pass.
-timeout 170 "$PYTHON" -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning -rs \
-    tests/test_cuda_gpu.py tests/test_interop.py 2>&1 | tee "$OUT/tests.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== GPU benchmark"
-# GPUPOOL_BENCH_ARGS adds options (e.g. "--scale 0.1" for a dry run on a small device).
-timeout 60 "$PYTHON" benches/gpu_bench.py --device cuda:0 --json "$OUT/bench.json" ${GPUPOOL_BENCH_ARGS:-} 2>&1 |
-    tee "$OUT/bench.md"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-echo "== done (status $status); logs in $OUT"
+echo "== check"
+# Tests, a training loop with and without the PyTorch hook, the CuPy and Numba hooks, and the
+# seed article's workloads; each step has its own time limit (benches/gpu_check.py).
+"$PYTHON" benches/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/check.log"
+status=${PIPESTATUS[0]}
+echo "== done (status $status); report in $OUT/gpu_check.json"
 exit $status

@@ -2,18 +2,21 @@
 //! pool per device (`gpupool.torch.install` points `torch.cuda.memory.CUDAPluggableAllocator` at
 //! the extension module, which exports these functions).
 //!
-//! The caller hands back raw addresses, so each device keeps an address -> handle map, and raw
-//! stream handles are imported once each. Nothing here may unwind into C: every entry point
-//! catches panics, and failures become a null pointer (which PyTorch reports as out of memory)
-//! or an ignored free.
+//! Each device has its own pool behind its own lock; the process-wide lock is held only to find
+//! (or open) a device's pool, so one device's synchronization never stalls another's
+//! allocations. The caller hands back raw addresses, so each device keeps an address -> handle
+//! map, and raw stream handles are imported once each. Nothing here may unwind into C except
+//! [`gpupool_torch_alloc`], which throws a C++ exception on purpose (see there): every other entry
+//! point catches panics, and failures become a null pointer or an ignored call, remembered for
+//! [`take_last_error`].
 
 use crate::core::Handle;
 use crate::device::{Device, DeviceError, Host, StreamId};
-use crate::pool::{Config, Pool, PoolError};
+use crate::pool::{Backend as PoolBackend, Config, Pool, PoolError};
 use std::collections::HashMap;
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Where the process-wide pools get their memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,12 +39,21 @@ impl Default for Backend {
 }
 
 impl Backend {
+    /// PyTorch's `backend:cudaMallocAsync` opens the device in stream-ordered mode, as for a
+    /// Python pool.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    fn open(self, device: c_int) -> Result<Box<dyn Device>, DeviceError> {
+    fn open(self, device: c_int, config: &Config) -> Result<Box<dyn Device>, DeviceError> {
         match self {
             Backend::Host => Ok(Box::new(Host::new(None))),
             #[cfg(feature = "cuda")]
-            Backend::Cuda => Ok(Box::new(crate::device::Cuda::open(device, crate::device::CudaMode::Direct, None)?)),
+            Backend::Cuda => {
+                use crate::device::{Cuda, CudaMode};
+                let mode = match config.backend {
+                    PoolBackend::CudaMallocAsync => CudaMode::Async,
+                    PoolBackend::Native => CudaMode::Direct,
+                };
+                Ok(Box::new(Cuda::open(device, mode, None)?))
+            }
         }
     }
 }
@@ -69,10 +81,12 @@ impl DeviceState {
     }
 }
 
+type SharedState = Arc<Mutex<DeviceState>>;
+
 struct Global {
     backend: Backend,
     config: Config,
-    devices: HashMap<c_int, DeviceState>,
+    devices: HashMap<c_int, SharedState>,
 }
 
 static GLOBAL: Mutex<Option<Global>> = Mutex::new(None);
@@ -81,16 +95,26 @@ fn global() -> Result<MutexGuard<'static, Option<Global>>, String> {
     GLOBAL.lock().map_err(|_| "the global pool was left inconsistent by an earlier panic".to_string())
 }
 
+fn lock(state: &SharedState) -> Result<MutexGuard<'_, DeviceState>, String> {
+    state.lock().map_err(|_| "a device's pool was left inconsistent by an earlier panic".to_string())
+}
+
+/// Every device's pool, in no particular order (the process-wide lock is released on return).
+fn all_devices() -> Result<Vec<SharedState>, String> {
+    Ok(global()?.as_ref().map(|g| g.devices.values().cloned().collect()).unwrap_or_default())
+}
+
 /// Chooses the backend and configuration of the process-wide pools. Pools already opened are
-/// closed (their cached memory returned) unless they still serve allocations.
+/// closed (their cached memory returned, after their device finished its work) unless they still
+/// serve allocations.
 pub fn configure(backend: Backend, config: Config) -> Result<(), String> {
     let mut global = global()?;
-    if let Some(g) = global.as_ref() {
-        if let Some((device, state)) = g.devices.iter().find(|(_, s)| !s.live.is_empty()) {
+    for (device, state) in global.iter().flat_map(|g| &g.devices) {
+        let live = lock(state)?.live.len();
+        if live > 0 {
             return Err(format!(
-                "the global pool of device {device} still serves {} allocation(s); configure it before the first \
-                 allocation",
-                state.live.len()
+                "the global pool of device {device} still serves {live} allocation(s); configure it before the first \
+                 allocation"
             ));
         }
     }
@@ -98,52 +122,114 @@ pub fn configure(backend: Backend, config: Config) -> Result<(), String> {
     Ok(())
 }
 
-impl Global {
-    fn device(&mut self, device: c_int) -> Result<&mut DeviceState, PoolError> {
-        if !self.devices.contains_key(&device) {
-            let pool = Pool::new(self.backend.open(device)?, self.config.clone());
-            self.devices.insert(device, DeviceState { pool, live: HashMap::new(), streams: HashMap::new() });
-        }
-        Ok(self.devices.get_mut(&device).expect("inserted above"))
-    }
-}
-
-fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, String> {
-    // PyTorch asks for 0 bytes for empty tensors; they still need a distinct, freeable address.
-    let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?.max(1);
+/// Device `device`'s pool, opened on first use.
+fn device_state(device: c_int) -> Result<SharedState, String> {
     let mut global = global()?;
     let g = global.get_or_insert_with(|| Global {
         backend: Backend::default(),
         config: Config::default(),
         devices: HashMap::new(),
     });
-    let state = g.device(device).map_err(|e| e.to_string())?;
+    if let Some(state) = g.devices.get(&device) {
+        return Ok(state.clone());
+    }
+    let pool = Pool::new(g.backend.open(device, &g.config).map_err(|e| e.to_string())?, g.config.clone());
+    let state = Arc::new(Mutex::new(DeviceState { pool, live: HashMap::new(), streams: HashMap::new() }));
+    g.devices.insert(device, state.clone());
+    Ok(state)
+}
+
+/// Why an allocation failed, and whether for want of memory.
+struct AllocError {
+    out_of_memory: bool,
+    text: String,
+}
+
+impl From<String> for AllocError {
+    fn from(text: String) -> Self {
+        AllocError { out_of_memory: false, text }
+    }
+}
+
+fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, AllocError> {
+    // PyTorch asks for 0 bytes for empty tensors; they still need a distinct, freeable address.
+    let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?.max(1);
+    let state = device_state(device)?;
+    let mut state = lock(&state)?;
     let stream = state.stream(stream).map_err(|e| e.to_string())?;
-    let allocation = state.pool.alloc_on(size, stream).map_err(|e| e.to_string())?;
-    state.live.insert(allocation.address, allocation.handle);
-    Ok(allocation.address)
+    match state.pool.alloc_on(size, stream) {
+        Ok(allocation) => {
+            state.live.insert(allocation.address, allocation.handle);
+            Ok(allocation.address)
+        }
+        Err(e) => Err(AllocError { out_of_memory: matches!(e, PoolError::OutOfMemory(_)), text: e.to_string() }),
+    }
 }
 
 fn free(address: u64, device: c_int) -> Result<(), String> {
-    let mut global = global()?;
-    let state = global.as_mut().and_then(|g| g.devices.get_mut(&device)).ok_or("no pool for this device")?;
+    let state = global()?
+        .as_ref()
+        .and_then(|g| g.devices.get(&device).cloned())
+        .ok_or_else(|| format!("no pool for device {device}"))?;
+    let mut state = lock(&state)?;
     let handle = state.live.remove(&address).ok_or_else(|| format!("{address:#x} is not a live allocation"))?;
     state.pool.free(handle).map_err(|e| e.to_string())
 }
 
+fn record_stream(address: u64, stream: u64) -> Result<(), String> {
+    for state in all_devices()? {
+        let mut state = lock(&state)?;
+        if let Some(&handle) = state.live.get(&address) {
+            let stream = state.stream(stream).map_err(|e| e.to_string())?;
+            return state.pool.record_stream(handle, stream).map_err(|e| e.to_string());
+        }
+    }
+    Err(format!("record_stream: {address:#x} is not a live allocation"))
+}
+
 /// `void* gpupool_alloc(ssize_t size, int device, cudaStream_t stream)`: null when the pool
-/// cannot serve the request.
+/// cannot serve the request (the reason is kept for [`take_last_error`]). For C callers, who
+/// check for null; PyTorch does not, and gets [`gpupool_torch_alloc`].
 #[no_mangle]
 pub extern "C" fn gpupool_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    let outcome = catch_unwind(AssertUnwindSafe(|| allocate(size, device, stream as u64)));
-    match outcome {
+    match catch_unwind(AssertUnwindSafe(|| allocate(size, device, stream as u64))) {
         Ok(Ok(address)) => address as *mut c_void,
         Ok(Err(e)) => {
-            remember_error(e);
+            remember_error(e.text);
             std::ptr::null_mut()
         }
-        Err(_) => std::ptr::null_mut(),
+        Err(_) => {
+            remember_error("gpupool_alloc panicked".into());
+            std::ptr::null_mut()
+        }
     }
+}
+
+extern "C-unwind" {
+    /// Throws the C++ exception for a failed allocation (rust/capi_torch.cpp): a `std::bad_alloc`
+    /// whose `what()` is `message` when memory ran out, else a `std::runtime_error`.
+    fn gpupool_throw_alloc_error(out_of_memory: c_int, message: *const c_char) -> !;
+}
+
+/// `void* gpupool_torch_alloc(ssize_t size, int device, cudaStream_t stream)`: the allocation
+/// function for PyTorch's `CUDAPluggableAllocator`, which uses whatever pointer it gets back
+/// (a null becomes a tensor at address 0). A failure is therefore thrown as a C++ exception
+/// carrying gpupool's report, which unwinds through PyTorch's frames exactly like its own
+/// allocator's out-of-memory error and reaches Python as a `RuntimeError` with that text. The
+/// exception starts in C++ and crosses only this frame, which the `C-unwind` ABI allows.
+#[no_mangle]
+pub extern "C-unwind" fn gpupool_torch_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    let error = match catch_unwind(AssertUnwindSafe(|| allocate(size, device, stream as u64))) {
+        Ok(Ok(address)) => return address as *mut c_void,
+        Ok(Err(e)) => e,
+        Err(_) => AllocError { out_of_memory: false, text: "gpupool_torch_alloc panicked".into() },
+    };
+    let prefix = if error.out_of_memory { "CUDA out of memory (gpupool): " } else { "gpupool: " };
+    let message = CString::new(format!("{prefix}{}", error.text).replace('\0', " ")).unwrap_or_default();
+    remember_error(error.text);
+    // SAFETY: the thrower copies the message before throwing; `message` is dropped while the
+    // exception unwinds through this frame, after that copy.
+    unsafe { gpupool_throw_alloc_error(c_int::from(error.out_of_memory), message.as_ptr()) }
 }
 
 /// `void gpupool_free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. The block goes
@@ -152,6 +238,25 @@ pub extern "C" fn gpupool_alloc(size: isize, device: c_int, stream: *mut c_void)
 #[no_mangle]
 pub extern "C" fn gpupool_free(ptr: *mut c_void, _size: isize, device: c_int, _stream: *mut c_void) {
     if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(|| free(ptr as u64, device))) {
+        remember_error(e);
+    }
+}
+
+/// `void gpupool_record_stream(void* ptr, cudaStream_t stream)`: PyTorch's pluggable-allocator
+/// record-stream hook (`tensor.record_stream(s)`): the block's free waits for the work queued on
+/// `stream` until then, as with PyTorch's own allocator.
+#[no_mangle]
+pub extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(|| record_stream(ptr as u64, stream as u64))) {
+        remember_error(e);
+    }
+}
+
+/// `void gpupool_empty_cache(void)`: PyTorch's pluggable-allocator reset hook
+/// (`torch.cuda.empty_cache()`): every device's fully free cached memory goes back.
+#[no_mangle]
+pub extern "C" fn gpupool_empty_cache() {
+    if let Ok(Err(e)) = catch_unwind(empty_cache) {
         remember_error(e);
     }
 }
@@ -171,17 +276,16 @@ pub fn take_last_error() -> Option<String> {
 
 /// The statistics of device `device`'s global pool, if it was opened.
 pub fn memory_stats(device: c_int) -> Option<Vec<(String, u64)>> {
-    let global = global().ok()?;
-    global.as_ref()?.devices.get(&device).map(|s| s.pool.stats().entries())
+    let state = global().ok()?.as_ref()?.devices.get(&device).cloned()?;
+    let entries = lock(&state).ok()?.pool.stats().entries();
+    Some(entries)
 }
 
 /// Returns the cached, fully free segments of every global pool; returns the bytes released.
 pub fn empty_cache() -> Result<u64, String> {
-    let mut global = global()?;
-    let Some(g) = global.as_mut() else { return Ok(0) };
     let mut released = 0;
-    for state in g.devices.values_mut() {
-        released += state.pool.empty_cache().map_err(|e| e.to_string())?;
+    for state in all_devices()? {
+        released += lock(&state)?.pool.empty_cache().map_err(|e| e.to_string())?;
     }
     Ok(released)
 }
@@ -202,13 +306,19 @@ mod tests {
         unsafe { std::ptr::write_bytes(a.cast::<u8>(), 7, 1000) };
         assert_eq!(memory_stats(0).unwrap().iter().find(|(k, _)| k == "allocation.all.current").unwrap().1, 1);
         assert!(configure(Backend::Host, Config::default()).is_err(), "live allocations pin the configuration");
+        gpupool_record_stream(a, stream);
+        assert_eq!(take_last_error(), None, "recording the default stream on a live block");
         gpupool_free(a, 1000, 0, stream);
         gpupool_free(b, 0, 1, stream);
         gpupool_free(a, 1000, 0, stream);
         assert!(take_last_error().unwrap().contains("not a live allocation"));
+        gpupool_record_stream(a, stream);
+        assert!(take_last_error().unwrap().contains("record_stream"));
         assert!(gpupool_alloc(-1, 0, stream).is_null());
         assert!(take_last_error().unwrap().contains("negative"));
-        assert!(empty_cache().unwrap() > 0);
+        assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v > 0));
+        gpupool_empty_cache();
+        assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v == 0));
         configure(Backend::Host, Config::default()).unwrap();
     }
 }

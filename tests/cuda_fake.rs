@@ -1,57 +1,143 @@
-//! The cuda backend against the fake driver of tests/fake_cuda (feature `cuda`): page
-//! bookkeeping of reserved ranges, streams and events, copies, and a pool on top.
+//! The cuda backend against the strict fake driver of tests/fake_cuda (feature `cuda`): mapped
+//! runs and their driver calls, streams and events, copies ordered on their stream, the caller's
+//! context kept, teardown after the device's work, graph capture, and a pool on top.
 //!
 //! The fake is compiled with the machine's C compiler and loaded by absolute path before cudarc
 //! looks for a driver; its soname is `libcuda.so`, the first name cudarc asks the loader for, so
 //! the loader hands cudarc the library already in the process. One fake serves the whole test
 //! binary, so these tests use no failure switches (tests/test_cuda_fake.py covers those, one
-//! process each). Nothing here measures a GPU.
+//! process each). Without a C compiler to build the fake, the tests fail and say so. Nothing
+//! here measures a GPU.
 #![cfg(feature = "cuda")]
 
 use gpupool::device::{Cuda, CudaMode, Device, DeviceError, DEFAULT_STREAM};
 use gpupool::pool::{Config, Pool};
-use std::ffi::CString;
+use std::ffi::{c_char, CString};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 const MIB: u64 = 1 << 20;
 
-/// The fake's `fake_cuda_calls`, or None when no C compiler is available (the tests then pass
-/// vacuously, saying so).
-fn fake() -> Option<extern "C" fn(*const std::ffi::c_char) -> u64> {
-    static CALLS: OnceLock<Option<usize>> = OnceLock::new();
-    let calls = CALLS.get_or_init(|| {
+/// The fake driver, built once per test binary and loaded before cudarc looks for a driver.
+struct Fake {
+    handle: usize,
+}
+
+/// Builds and loads the fake. Without a C compiler the tests fail, saying why: a test that
+/// passes without running would hide a broken backend.
+fn fake() -> &'static Fake {
+    static FAKE: OnceLock<Fake> = OnceLock::new();
+    FAKE.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("gpupool-fake-cuda-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).ok()?;
+        std::fs::create_dir_all(&dir).expect("a temporary directory for the fake driver");
         let library = dir.join("libcuda.so");
         let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fake_cuda/fake_cuda.c");
         let compiler = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let built = Command::new(compiler)
+        let built = Command::new(&compiler)
             .args(["-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so", "-o"])
             .arg(&library)
             .arg(&source)
             .arg("-lpthread")
             .status();
-        if !built.is_ok_and(|s| s.success()) {
-            eprintln!("no C compiler: the fake driver tests are skipped");
-            return None;
-        }
-        let path = CString::new(library.to_str()?).ok()?;
+        assert!(
+            built.is_ok_and(|s| s.success()),
+            "the fake CUDA driver could not be built with '{compiler}' (install a C compiler or set CC)"
+        );
+        let path = CString::new(library.to_str().unwrap()).unwrap();
         // SAFETY: loads a library we just built; RTLD_GLOBAL keeps it for the process.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
         assert!(!handle.is_null(), "the fake driver failed to load");
+        Fake { handle: handle as usize }
+    })
+}
+
+impl Fake {
+    /// The address of an exported function (a driver call or a test control).
+    fn symbol(&self, name: &str) -> usize {
+        let name = CString::new(name).unwrap();
         // SAFETY: looks a symbol up in a live handle.
-        let symbol = unsafe { libc::dlsym(handle, c"fake_cuda_calls".as_ptr()) };
-        Some(symbol as usize)
-    });
-    // SAFETY: `fake_cuda_calls` has exactly this signature in fake_cuda.c.
-    calls.map(|address| unsafe { std::mem::transmute::<usize, extern "C" fn(*const std::ffi::c_char) -> u64>(address) })
+        let address = unsafe { libc::dlsym(self.handle as *mut libc::c_void, name.as_ptr()) };
+        assert!(!address.is_null(), "the fake lacks {name:?}");
+        address as usize
+    }
+
+    fn calls(&self, name: &str) -> u64 {
+        let name = CString::new(name).unwrap();
+        // SAFETY: `fake_cuda_calls` has exactly this signature in fake_cuda.c.
+        let f: extern "C" fn(*const c_char) -> u64 = unsafe { std::mem::transmute(self.symbol("fake_cuda_calls")) };
+        f(name.as_ptr())
+    }
+
+    fn violations(&self) -> u64 {
+        // SAFETY: `fake_cuda_violations` has exactly this signature.
+        let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(self.symbol("fake_cuda_violations")) };
+        f()
+    }
+
+    /// Queues a kernel writing `tag` over the range on the stream with raw handle `stream`; it
+    /// runs when completed or waited for.
+    fn launch(&self, stream: u64, address: u64, size: u64, tag: u8) {
+        // SAFETY: `fake_cuda_launch` has exactly this signature.
+        let f: extern "C" fn(u64, u64, usize, u8) -> i32 =
+            unsafe { std::mem::transmute(self.symbol("fake_cuda_launch")) };
+        assert_eq!(f(stream, address, size as usize, tag), 0, "the kernel was launched on device memory");
+    }
+
+    fn complete(&self, stream: u64) {
+        // SAFETY: `fake_cuda_complete` has exactly this signature.
+        let f: extern "C" fn(u64) -> i32 = unsafe { std::mem::transmute(self.symbol("fake_cuda_complete")) };
+        assert_eq!(f(stream), 0);
+    }
+
+    /// The calling thread's current context (0 for none).
+    fn current_context(&self) -> u64 {
+        let mut current = 0u64;
+        // SAFETY: `cuCtxGetCurrent` writes one handle.
+        let f: extern "C" fn(*mut u64) -> i32 = unsafe { std::mem::transmute(self.symbol("cuCtxGetCurrent")) };
+        assert_eq!(f(&mut current), 0);
+        current
+    }
+
+    /// Makes device `ordinal`'s primary context current on this thread, as a framework using the
+    /// device would (kernels are launched and captures begun in a context).
+    fn use_primary_context(&self, ordinal: i32) {
+        let mut context = 0u64;
+        // SAFETY: `cuDevicePrimaryCtxRetain` writes one handle; the retain is never released,
+        // like a framework's.
+        let retain: extern "C" fn(*mut u64, i32) -> i32 =
+            unsafe { std::mem::transmute(self.symbol("cuDevicePrimaryCtxRetain")) };
+        assert_eq!(retain(&mut context, ordinal), 0);
+        self.set_current_context(context);
+    }
+
+    fn set_current_context(&self, context: u64) {
+        // SAFETY: `cuCtxSetCurrent` takes one handle.
+        let f: extern "C" fn(u64) -> i32 = unsafe { std::mem::transmute(self.symbol("cuCtxSetCurrent")) };
+        assert_eq!(f(context), 0);
+    }
+
+    /// Starts (`true`) a relaxed-mode capture on a stream (other streams may still allocate
+    /// from the driver), or ends one, saying whether the capture stayed valid.
+    fn capture(&self, stream: u64, begin: bool) -> bool {
+        if begin {
+            // SAFETY: `cuStreamBeginCapture_v2` takes a stream and a mode (2: relaxed).
+            let f: extern "C" fn(u64, i32) -> i32 =
+                unsafe { std::mem::transmute(self.symbol("cuStreamBeginCapture_v2")) };
+            assert_eq!(f(stream, 2), 0);
+            true
+        } else {
+            let mut graph = 0u64;
+            // SAFETY: `cuStreamEndCapture` takes a stream and writes one graph handle.
+            let f: extern "C" fn(u64, *mut u64) -> i32 =
+                unsafe { std::mem::transmute(self.symbol("cuStreamEndCapture")) };
+            f(stream, &mut graph) == 0
+        }
+    }
 }
 
 fn calls(name: &str) -> u64 {
-    let name = CString::new(name).unwrap();
-    fake().map_or(0, |f| f(name.as_ptr()))
+    fake().calls(name)
 }
 
 /// The driver's call counters are process-wide, so the tests take turns.
@@ -60,23 +146,25 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn open() -> Option<(Cuda, MutexGuard<'static, ()>)> {
-    fake()?;
+fn open() -> (Cuda, MutexGuard<'static, ()>) {
+    fake();
     let turn = serial();
-    Some((Cuda::open(0, CudaMode::Direct, None).expect("the fake driver opens"), turn))
+    let cuda = Cuda::open(0, CudaMode::Direct, None).expect("the fake driver opens");
+    fake().use_primary_context(0);
+    (cuda, turn)
 }
 
 #[test]
 fn segments_copy_and_release() {
-    let Some((mut cuda, _turn)) = open() else { return };
+    let (mut cuda, _turn) = open();
     assert_eq!(cuda.name(), "cuda:0");
     assert_eq!(cuda.memory_info().total, Some(1 << 30));
     let a = cuda.allocate(4096).unwrap();
-    cuda.write(a + 10, b"device bytes").unwrap();
+    cuda.write(DEFAULT_STREAM, a + 10, b"device bytes").unwrap();
     let mut out = [0u8; 12];
-    cuda.read(a + 10, &mut out).unwrap();
+    cuda.read(DEFAULT_STREAM, a + 10, &mut out).unwrap();
     assert_eq!(&out, b"device bytes");
-    assert_eq!(cuda.write(a + 4090, b"too long"), Err(DeviceError::InvalidAddress(a + 4090)));
+    assert_eq!(cuda.write(DEFAULT_STREAM, a + 4090, b"too long"), Err(DeviceError::InvalidAddress(a + 4090)));
     assert_eq!(cuda.memory_info().held, 4096);
     assert!(matches!(cuda.allocate(2 << 30), Err(DeviceError::OutOfMemory { .. })));
     cuda.release(a).unwrap();
@@ -84,47 +172,65 @@ fn segments_copy_and_release() {
     assert_eq!(cuda.memory_info().held, 0);
 }
 
-#[test]
-fn reserved_ranges_are_mapped_page_by_page() {
-    let Some((mut cuda, _turn)) = open() else { return };
-    let page = cuda.page_size().unwrap();
-    assert_eq!(page, 2 * MIB);
-    let base = cuda.reserve(5 * MIB).unwrap();
-    assert_eq!(cuda.reserved_and_mapped(), (6 * MIB, 0), "rounded up to whole pages");
-    assert_eq!(cuda.write(base, b"x"), Err(DeviceError::InvalidAddress(base)), "nothing mapped yet");
+/// Driver calls per kind since `before` (create, map, set-access, unmap, release).
+fn vmm_calls() -> [u64; 5] {
+    ["cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"].map(calls)
+}
 
-    cuda.map(base, 4 * MIB).unwrap();
+fn since(before: [u64; 5]) -> [u64; 5] {
+    let now = vmm_calls();
+    std::array::from_fn(|i| now[i] - before[i])
+}
+
+#[test]
+fn runs_are_mapped_one_handle_per_page_with_access_set_once() {
+    let (mut cuda, _turn) = open();
+    let page = cuda.page_size().unwrap();
+    assert_eq!(page, 2 * MIB, "the fake's granularity");
+    let base = cuda.reserve(13 * MIB).unwrap();
+    assert_eq!(cuda.reserved_and_mapped(), (14 * MIB, 0), "rounded up to the granularity");
+    assert_eq!(cuda.write(DEFAULT_STREAM, base, b"x"), Err(DeviceError::InvalidAddress(base)), "nothing mapped yet");
+
+    let before = vmm_calls();
+    cuda.map(base, 4 * MIB, 2 * MIB).unwrap();
+    assert_eq!(since(before), [2, 2, 1, 0, 2], "two handles, mapped, access set once, released at once");
     assert_eq!(cuda.memory_info().held, 4 * MIB);
     let straddling = base + 2 * MIB - 3;
-    cuda.write(straddling, b"across pages").unwrap();
+    cuda.write(DEFAULT_STREAM, straddling, b"across pages").unwrap();
     let mut out = [0u8; 12];
-    cuda.read(straddling, &mut out).unwrap();
+    cuda.read(DEFAULT_STREAM, straddling, &mut out).unwrap();
     assert_eq!(&out, b"across pages");
 
-    assert!(cuda.map(base + 2 * MIB, 4 * MIB).is_err(), "overlaps a mapped page");
-    assert!(cuda.map(base + MIB, 2 * MIB).is_err(), "not page-aligned");
-    assert!(cuda.map(base + 4 * MIB, 4 * MIB).is_err(), "past the reservation");
-    cuda.map(base + 4 * MIB, 2 * MIB).unwrap();
-    assert_eq!(cuda.reserved_and_mapped(), (6 * MIB, 6 * MIB));
+    let before = vmm_calls();
+    cuda.map(base + 4 * MIB, 8 * MIB, 4 * MIB).unwrap();
+    assert_eq!(since(before), [2, 2, 1, 0, 2], "4 MiB pages: two handles for 8 MiB");
+    assert!(cuda.map(base + 2 * MIB, 4 * MIB, 2 * MIB).is_err(), "overlaps a mapped page");
+    assert!(cuda.map(base + MIB, 2 * MIB, 2 * MIB).is_err(), "not aligned to the granularity");
+    assert!(cuda.map(base + 12 * MIB, 2 * MIB, MIB).is_err(), "pages below the granularity");
+    assert!(cuda.map(base + 12 * MIB, 4 * MIB, 2 * MIB).is_err(), "past the reservation");
+    assert_eq!(cuda.reserved_and_mapped(), (14 * MIB, 12 * MIB));
 
+    let before = vmm_calls();
+    assert!(cuda.unmap(base + 4 * MIB, 2 * MIB).is_err(), "half of one mapping");
     cuda.unmap(base + 2 * MIB, 2 * MIB).unwrap();
-    assert!(cuda.read(base + 2 * MIB, &mut out).is_err(), "unmapped pages cannot be copied");
+    assert_eq!(since(before), [0, 0, 0, 1, 0], "one call unmaps a page (its memory goes with it)");
+    assert!(cuda.read(DEFAULT_STREAM, base + 2 * MIB, &mut out).is_err(), "unmapped pages cannot be copied");
     assert!(cuda.unmap(base + 2 * MIB, 2 * MIB).is_err(), "already unmapped");
     assert!(cuda.unmap(base, 4 * MIB).is_err(), "half of it is unmapped");
-    assert_eq!(cuda.memory_info().held, 4 * MIB);
+    assert_eq!(cuda.memory_info().held, 10 * MIB);
     assert_eq!(cuda.unreserve(base), Err(DeviceError::InvalidAddress(base)), "pages are still mapped");
     cuda.unmap(base, 2 * MIB).unwrap();
-    cuda.unmap(base + 4 * MIB, 2 * MIB).unwrap();
+    cuda.unmap(base + 4 * MIB, 8 * MIB).unwrap();
     cuda.unreserve(base).unwrap();
     assert_eq!(cuda.reserved_and_mapped(), (0, 0));
     assert_eq!(cuda.memory_info().held, 0);
     assert_eq!(cuda.unreserve(base), Err(DeviceError::InvalidAddress(base)));
-    assert_eq!(calls("cuMemCreate"), calls("cuMemRelease"), "every physical page was released");
+    assert_eq!(calls("cuMemCreate"), calls("cuMemRelease"), "every physical allocation was released");
 }
 
 #[test]
 fn streams_events_and_imports() {
-    let Some((mut cuda, _turn)) = open() else { return };
+    let (mut cuda, _turn) = open();
     let side = cuda.create_stream().unwrap();
     let handle = cuda.stream_handle(side).unwrap();
     assert_ne!(handle, 0);
@@ -153,7 +259,7 @@ fn streams_events_and_imports() {
 
 #[test]
 fn async_mode_uses_the_stream_ordered_calls() {
-    let Some((_, _turn)) = open() else { return };
+    let (_, _turn) = open();
     let mut cuda = Cuda::open(0, CudaMode::Async, None).unwrap();
     let before = (calls("cuMemAllocAsync"), calls("cuMemFreeAsync"));
     let a = cuda.allocate(MIB).unwrap();
@@ -163,7 +269,7 @@ fn async_mode_uses_the_stream_ordered_calls() {
 
 #[test]
 fn a_pool_over_the_fake_device() {
-    let Some((cuda, _turn)) = open() else { return };
+    let (cuda, _turn) = open();
     let mut pool = Pool::new(cuda, Config::default());
     let allocations: Vec<_> = (0..100).map(|i| pool.alloc(1000 + i).unwrap()).collect();
     pool.check_invariants().unwrap();
@@ -177,7 +283,7 @@ fn a_pool_over_the_fake_device() {
 
 #[test]
 fn an_expandable_pool_maps_pages_through_the_driver() {
-    let Some((cuda, _turn)) = open() else { return };
+    let (cuda, _turn) = open();
     let config = Config::parse("expandable_segments:True").unwrap();
     let mut pool = Pool::new(cuda, config);
     let created = calls("cuMemCreate");
@@ -194,13 +300,148 @@ fn an_expandable_pool_maps_pages_through_the_driver() {
 
 #[test]
 fn a_closed_device_returns_everything() {
-    let Some((mut cuda, _turn)) = open() else { return };
-    let before = calls("cuMemRelease");
+    let (mut cuda, _turn) = open();
+    let before = calls("cuMemUnmap");
     cuda.allocate(MIB).unwrap();
     let base = cuda.reserve(4 * MIB).unwrap();
-    cuda.map(base, 4 * MIB).unwrap();
+    cuda.map(base, 4 * MIB, 2 * MIB).unwrap();
     cuda.create_stream().unwrap();
     cuda.record_event(DEFAULT_STREAM).unwrap();
     drop(cuda);
-    assert_eq!(calls("cuMemRelease"), before + 2, "both mapped pages released on close");
+    assert_eq!(calls("cuMemUnmap"), before + 2, "both mapped pages unmapped on close");
+}
+
+#[test]
+fn every_call_leaves_the_callers_context_current() {
+    let (mut cuda, _turn) = open();
+    let fake = fake();
+    // The caller's thread has no context (as a fresh thread in PyTorch has until it touches CUDA).
+    fake.set_current_context(0);
+    let a = cuda.allocate(4096).unwrap();
+    assert_eq!(fake.current_context(), 0, "allocate left gpupool's context current");
+    cuda.write(DEFAULT_STREAM, a, b"bytes").unwrap();
+    let side = cuda.create_stream().unwrap();
+    let event = cuda.record_event(side).unwrap();
+    cuda.query_event(event).unwrap();
+    cuda.stream_wait_event(DEFAULT_STREAM, event).unwrap();
+    assert_eq!(fake.current_context(), 0, "stream and event calls left gpupool's context current");
+    assert!(matches!(cuda.allocate(4 << 30), Err(DeviceError::OutOfMemory { .. })));
+    assert_eq!(fake.current_context(), 0, "a failed driver call left gpupool's context current");
+    cuda.release(a).unwrap();
+    drop(cuda);
+    assert_eq!(fake.current_context(), 0, "closing the device left its context current");
+}
+
+#[test]
+fn copies_are_ordered_after_the_streams_work() {
+    let (mut cuda, _turn) = open();
+    let fake = fake();
+    let side = cuda.create_stream().unwrap();
+    let handle = cuda.stream_handle(side).unwrap();
+    let a = cuda.allocate(4096).unwrap();
+    let before = fake.violations();
+    fake.launch(handle, a, 4096, 0xaa);
+    cuda.write(side, a, b"after the kernel").unwrap();
+    let mut out = [0u8; 16];
+    cuda.read(side, a, &mut out).unwrap();
+    assert_eq!(&out, b"after the kernel", "the copy ran after the kernel queued before it");
+    assert_eq!(fake.violations(), before);
+
+    // The legacy default stream does not wait for a non-blocking stream: the fake sees the race.
+    fake.launch(handle, a, 4096, 0xbb);
+    cuda.write(DEFAULT_STREAM, a, b"races the kernel").unwrap();
+    assert_eq!(fake.violations(), before + 1, "the fake catches a copy on the legacy stream");
+    fake.complete(handle);
+    cuda.release(a).unwrap();
+}
+
+#[test]
+fn a_pool_reuses_a_block_on_another_stream_only_after_its_kernels() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch").unwrap());
+    let side = pool.create_stream().unwrap();
+    let handle = pool.device().stream_handle(side).unwrap();
+    let before = fake.violations();
+    let a = pool.alloc_on(MIB, side).unwrap();
+    fake.launch(handle, a.address, MIB, 0x11);
+    pool.free(a.handle).unwrap();
+    let b = pool.alloc_on(MIB, DEFAULT_STREAM).unwrap();
+    assert_ne!(b.address, a.address, "handed out while a kernel on its stream still runs");
+    pool.write(b.handle, 0, b"mine").unwrap();
+    fake.complete(handle);
+    pool.free(b.handle).unwrap();
+    pool.synchronize().unwrap();
+    let c = pool.alloc_on(MIB, DEFAULT_STREAM).unwrap();
+    let mut out = [0u8; 4];
+    pool.write(c.handle, 0, b"next").unwrap();
+    pool.read(c.handle, 0, &mut out).unwrap();
+    assert_eq!(&out, b"next");
+    assert_eq!(fake.violations(), before);
+    pool.free(c.handle).unwrap();
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn the_async_backend_orders_segments_on_their_stream() {
+    let (_, _turn) = open();
+    let fake = fake();
+    let mut cuda = Cuda::open(0, CudaMode::Async, None).unwrap();
+    let side = cuda.create_stream().unwrap();
+    let handle = cuda.stream_handle(side).unwrap();
+    let before = fake.violations();
+    let a = cuda.allocate_on(MIB, side).unwrap();
+    fake.launch(handle, a, MIB, 0x22);
+    cuda.release(a).unwrap();
+    assert_eq!(fake.violations(), before, "the free was queued behind the kernel on the segment's stream");
+    fake.complete(handle);
+
+    let mut threshold = 0u64;
+    let mut mempool = 0u64;
+    // SAFETY: the fake's calls take these pointers (a pool handle, attribute 4 = release threshold).
+    let get_pool: extern "C" fn(*mut u64, i32) -> i32 =
+        unsafe { std::mem::transmute(fake.symbol("cuDeviceGetDefaultMemPool")) };
+    // SAFETY: as above.
+    let get_attribute: extern "C" fn(u64, i32, *mut u64) -> i32 =
+        unsafe { std::mem::transmute(fake.symbol("cuMemPoolGetAttribute")) };
+    assert_eq!(get_pool(&mut mempool, 0), 0);
+    assert_eq!(get_attribute(mempool, 4, &mut threshold), 0);
+    assert_eq!(threshold, u64::MAX, "the driver's pool keeps what it caches");
+}
+
+#[test]
+fn closing_waits_for_work_before_unmapping() {
+    let (mut cuda, _turn) = open();
+    let fake = fake();
+    let side = cuda.create_stream().unwrap();
+    let handle = cuda.stream_handle(side).unwrap();
+    let base = cuda.reserve(4 * MIB).unwrap();
+    cuda.map(base, 4 * MIB, 2 * MIB).unwrap();
+    let before = fake.violations();
+    fake.launch(handle, base, 4 * MIB, 0x33);
+    drop(cuda);
+    assert_eq!(fake.violations(), before, "memory went back under a running kernel");
+}
+
+#[test]
+fn graph_capture_is_refused_and_frees_wait_for_its_end() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch").unwrap());
+    let side = pool.create_stream().unwrap();
+    let handle = pool.device().stream_handle(side).unwrap();
+    let a = pool.alloc_on(MIB, side).unwrap();
+    assert!(fake.capture(handle, true));
+    let refused = pool.alloc_on(MIB, side).unwrap_err();
+    assert!(refused.to_string().contains("captured into a CUDA graph"), "{refused}");
+    pool.free(a.handle).unwrap();
+    assert_eq!(pool.held_for_capture(), 1);
+    let other = pool.alloc_on(MIB, DEFAULT_STREAM).unwrap();
+    assert_ne!(other.address, a.address, "a block freed during capture was reused");
+    // The fake invalidates a capture whose stream is queried or synchronized, or whose events are.
+    assert!(fake.capture(handle, false), "gpupool invalidated the capture");
+    pool.synchronize().unwrap();
+    assert_eq!(pool.held_for_capture(), 0, "the free completes once the capture ends");
+    pool.alloc_on(MIB, side).unwrap();
+    pool.check_invariants().unwrap();
 }

@@ -38,7 +38,7 @@ fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], data: bool) {
             Op::Alloc(size) => match pool.alloc(size) {
                 Ok(a) => {
                     if data {
-                        pool.device_mut().write(a.address, &a.address.to_le_bytes()[..size.min(8) as usize]).unwrap();
+                        pool.write(a.handle, 0, &a.address.to_le_bytes()[..size.min(8) as usize]).unwrap();
                     }
                     live.insert(a.address, a);
                 }
@@ -50,7 +50,7 @@ fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], data: bool) {
                 let a = live.remove(&address).unwrap();
                 if data {
                     let mut out = vec![0; a.size.min(8) as usize];
-                    pool.device().read(a.address, &mut out).unwrap();
+                    pool.read(a.handle, 0, &mut out).unwrap();
                     assert_eq!(out, &a.address.to_le_bytes()[..out.len()]);
                 }
                 pool.free(a.handle).unwrap();

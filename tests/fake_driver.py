@@ -17,16 +17,48 @@ from pathlib import Path
 
 SOURCE = Path(__file__).parent / "fake_cuda" / "fake_cuda.c"
 
-# Imported by every snippet: the fake's call counter, reached through the already-loaded library.
+# Imported by every snippet: the fake's test controls, reached through the already-loaded library.
 PRELUDE = """
 import ctypes, json, sys
 import gpupool
 from gpupool import _native
 
-def calls(name):
+def driver():
     lib = ctypes.CDLL("libcuda.so.1")
     lib.fake_cuda_calls.restype = ctypes.c_ulonglong
-    return lib.fake_cuda_calls(name.encode())
+    lib.fake_cuda_violations.restype = ctypes.c_ulonglong
+    lib.fake_cuda_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ubyte]
+    lib.fake_cuda_complete.argtypes = [ctypes.c_void_p]
+    lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+    lib.cuStreamBeginCapture_v2.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.cuStreamEndCapture.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    return lib
+
+def calls(name):
+    return driver().fake_cuda_calls(name.encode())
+
+def violations():
+    return driver().fake_cuda_violations()
+
+def current_context():
+    context = ctypes.c_void_p()
+    assert driver().cuCtxGetCurrent(ctypes.byref(context)) == 0
+    return context.value or 0
+
+def use_context(ordinal=0):
+    # What a framework does before it launches work: make the device's primary context current.
+    assert gpupool.device_count() > ordinal  # also initializes the driver
+    context = ctypes.c_void_p()
+    assert driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), ordinal) == 0
+    assert driver().cuCtxSetCurrent(context) == 0
+    return context.value
+
+def launch(stream, address, size, tag=0xAA):
+    # A kernel that writes `tag` over the range once finished (complete()) or waited for.
+    assert driver().fake_cuda_launch(stream, address, size, tag) == 0
+
+def complete(stream):
+    assert driver().fake_cuda_complete(stream) == 0
 
 def report(**values):
     print("RESULT " + json.dumps(values))
@@ -52,10 +84,13 @@ def build(directory: Path, hidden: tuple[str, ...] = ()) -> Path:
     return directory
 
 
-def run(snippet: str, library: Path | None, **switches: object) -> dict:
-    """Runs ``snippet`` (after PRELUDE) with the fake in ``library`` (None: no driver at all) and
-    the FAKE_CUDA_* ``switches``; returns what it passed to ``report``."""
+def run(snippet: str, library: Path | None, env: dict[str, str] | None = None, **switches: object) -> dict:
+    """Runs ``snippet`` (after PRELUDE) with the fake in ``library`` (None: no driver at all),
+    the extra environment ``env`` and the FAKE_CUDA_* ``switches``; returns what it passed to
+    ``report``."""
+    extra = env or {}
     env = {key: value for key, value in os.environ.items() if not key.startswith("FAKE_CUDA_")}
+    env.update(extra)
     env["LD_LIBRARY_PATH"] = str(library) if library else ""
     env.update({f"FAKE_CUDA_{key.upper()}": str(value) for key, value in switches.items()})
     code = PRELUDE + textwrap.dedent(snippet)

@@ -12,7 +12,7 @@ MiB = 1 << 20
 
 # Suites that fix their own example counts multiply them by this, so that the Hypothesis profile
 # (conftest.py: "ci", "thorough", "fuzz") scales every suite, not only those without settings.
-EXAMPLES_SCALE = {"ci": 1, "thorough": 5, "fuzz": 100}[os.environ.get("HYPOTHESIS_PROFILE", "ci")]
+EXAMPLES_SCALE = {"ci": 1, "thorough": 5, "fuzz": 10}[os.environ.get("HYPOTHESIS_PROFILE", "ci")]
 
 # Every strategy the contract suites run against (add "default" once it parses).
 STRATEGIES = ("default", "pytorch", "bfc", "arena", "eager", "direct", "expandable")

@@ -109,7 +109,7 @@ fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], verify_data: bool) {
                     let (address, block) = pool.block_of(a.handle).unwrap();
                     assert_eq!(address, a.address);
                     if verify_data {
-                        pool.device_mut().write(a.address, &pattern(a.address, a.size)).unwrap();
+                        pool.write(a.handle, 0, &pattern(a.address, a.size)).unwrap();
                     }
                     shadow.live.insert(a.address, (a, block));
                 }
@@ -124,7 +124,7 @@ fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], verify_data: bool) {
                 let (a, _) = shadow.live.remove(&address).unwrap();
                 if verify_data {
                     let mut out = vec![0; pattern_len(a.size)];
-                    pool.device().read(a.address, &mut out).unwrap();
+                    pool.read(a.handle, 0, &mut out).unwrap();
                     assert_eq!(out, pattern(a.address, a.size), "data corrupted at {address:#x}");
                 }
                 pool.free(a.handle).unwrap();

@@ -280,6 +280,8 @@ def test_streams_and_events_reach_the_driver(fake):
         ptr = pool.alloc(4096, stream=side)
         cai = ptr.__cuda_array_interface__
         pool.record_stream(ptr, pool.default_stream)
+        use_context()
+        launch(0, ptr.ptr, 4096)  # the default stream keeps using the block
         ptr.free()
         pending = pool.memory_stats()["active_bytes.all.current"]
         queried = side.query()
@@ -296,18 +298,18 @@ def test_streams_and_events_reach_the_driver(fake):
         side.destroy()
         report(
             handles=handles, outside_stream=outside_stream, destroyed_after_outside=destroyed_after_outside,
-            stream=cai["stream"], pending=pending, settled=settled,
+            stream=cai["stream"], pending=pending, settled=settled, violations=violations(),
             created=calls("cuStreamCreate"), destroyed=calls("cuStreamDestroy_v2"),
             recorded=calls("cuEventRecord"), queries=calls("cuEventQuery"),
             synchronized=calls("cuEventSynchronize") + calls("cuStreamSynchronize"),
         )
         """,
         fake,
-        pending_queries=3,
     )
     assert result["stream"] not in (None, 0, 1), "a created stream reports its own handle"
     assert result["pending"] > 0, "the free waits for the default stream's event"
     assert result["settled"] == 0
+    assert result["violations"] == 0
     assert (result["created"], result["destroyed"]) == (1, 1)
     assert result["handles"][0] == 0 and result["handles"][1] == result["outside_stream"] == result["stream"]
     assert result["destroyed_after_outside"] == 0, "a wrapped stream is never destroyed by gpupool"
@@ -389,3 +391,176 @@ def test_c_abi_on_the_cuda_backend(fake):
     assert result["allocs"] == 1
     assert result["missing"] is None and "cuda:5 does not exist" in result["error"]
     assert result["stats"] == 1
+
+
+def test_every_entry_point_leaves_the_callers_context(fake):
+    result = fake_driver.run(
+        """
+        lib = ctypes.CDLL(_native.__file__)
+        lib.gpupool_alloc.restype = ctypes.c_void_p
+        lib.gpupool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpupool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        seen = {}
+        def after(step):
+            seen[step] = current_context()
+        mine = use_context(1)  # this thread works on device 1, as PyTorch's current device
+        pool = gpupool.Pool("cuda:0", config="strategy:expandable")
+        after("open")
+        ptr = pool.alloc(3 << 20); after("alloc")
+        ptr.copy_from_host(b"x" * 10); after("copy in")
+        ptr.copy_to_host(); after("copy out")
+        side = pool.stream(); after("stream")
+        pool.record_stream(ptr, side); after("record_stream")
+        side.query(); side.synchronize(); after("stream calls")
+        ptr.free(); pool.synchronize(); after("free")
+        pool.empty_cache(); after("empty_cache")
+        try:
+            pool.alloc(1 << 40)
+        except gpupool.OutOfMemoryError:
+            after("out of memory")
+        raw = lib.gpupool_alloc(1 << 20, 0, None); after("C alloc")
+        lib.gpupool_free(raw, 1 << 20, 0, None); after("C free")
+        _native._capi_empty_cache(); after("C empty_cache")
+        del pool, side; after("close")
+        report(mine=mine, seen=seen)
+        """,
+        fake,
+        device_count=2,
+    )
+    changed = {step: context for step, context in result["seen"].items() if context != result["mine"]}
+    assert changed == {}, "these calls left another context current"
+    assert len(result["seen"]) == 14
+
+
+def test_copies_wait_for_the_work_on_the_blocks_stream(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0")
+        side = pool.stream()
+        ptr = pool.alloc(4096, stream=side)
+        use_context()
+        launch(side.handle, ptr.ptr, 4096, 0x55)  # still running when the copy is asked for
+        ptr.copy_from_host(b"after the kernel")
+        data = ptr.copy_to_host()[:16]
+        report(data=data.decode(), violations=violations())
+        """,
+        fake,
+    )
+    assert result["data"] == "after the kernel", "the copy ran before the kernel queued ahead of it"
+    assert result["violations"] == 0
+
+
+def test_pages_below_the_drivers_granularity_are_rounded_up(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="page_size_mb:2")
+        ptrs = [pool.alloc(5 << 20) for _ in range(3)]
+        ptrs[2].copy_from_host(b"x" * (5 << 20))
+        report(page=pool.config["page_size_mb"], held=pool.device_memory_held())
+        """,
+        fake,
+        granularity=4 * MiB,
+    )
+    assert result["page"] == 4, "the effective page is the driver's granularity"
+    assert result["held"] % (4 * MiB) == 0
+
+
+def test_a_failed_unmap_leaves_no_block_on_unbacked_pages(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="strategy:expandable")
+        ptrs = [pool.alloc(7 << 20) for _ in range(6)]
+        del ptrs
+        try:
+            pool.empty_cache()
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        pool.check_invariants()  # the device holds exactly what the page map says is mapped
+        held_after_failure = pool.device_memory_held()
+        again = [pool.alloc(7 << 20) for _ in range(6)]
+        for p in again:
+            p.copy_from_host(b"y" * (7 << 20))  # the fake refuses copies to unbacked pages
+        pool.check_invariants()
+        report(error=error, held=held_after_failure, violations=violations())
+        """,
+        fake,
+        fail_unmap=3,
+    )
+    assert "cuMemUnmap" in result["error"]
+    assert result["held"] > 0, "pages after the failure stay mapped and known"
+    assert result["violations"] == 0
+
+
+def test_shareable_handles_and_peer_access(fake):
+    result = fake_driver.run(
+        """
+        lib = driver()
+        def exportable(ptr):
+            handle = ctypes.c_ulonglong()
+            assert lib.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(ptr.ptr)) == 0
+            fd = ctypes.c_int(-1)
+            status = lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, 1, ctypes.c_ulonglong(0))
+            lib.cuMemRelease(handle)
+            return status == 0 and fd.value >= 0
+        plain = gpupool.Pool("cuda:0")
+        shared = gpupool.Pool("cuda:0", config="shareable_handle:posix_fd,peer_access:[1]")
+        a, b = plain.alloc(1 << 20), shared.alloc(1 << 20)
+        b.copy_from_host(b"peer")
+        report(plain=exportable(a), shared=exportable(b), config=[shared.config["shareable_handle"],
+               shared.config["peer_access"]], peer_checks=calls("cuDeviceCanAccessPeer"))
+        """,
+        fake,
+        device_count=2,
+    )
+    assert not result["plain"] and result["shared"], "only posix_fd pages can be exported"
+    assert result["config"] == ["posix_fd", [1]]
+    assert result["peer_checks"] == 1
+
+
+def test_an_unreachable_peer_is_named(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="peer_access:[3]")
+        try:
+            pool.alloc(1 << 20)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        report(error=error)
+        """,
+        fake,
+        device_count=2,
+    )
+    assert "peer_access: cuda:3 cannot access cuda:0" in result["error"]
+
+
+@pytest.mark.parametrize("config", ["", "strategy:expandable", "strategy:pytorch", "backend:cudaMallocAsync"])
+def test_the_pool_counts_the_driver_calls_the_backend_makes(fake, config):
+    result = fake_driver.run(
+        f"""
+        KINDS = {{"malloc": ("cuMemAlloc_v2", "cuMemAllocAsync"), "free": ("cuMemFree_v2", "cuMemFreeAsync"),
+                  "reserve": ("cuMemAddressReserve",), "unreserve": ("cuMemAddressFree",),
+                  "create": ("cuMemCreate",), "map": ("cuMemMap",), "set_access": ("cuMemSetAccess",),
+                  "unmap": ("cuMemUnmap",), "release": ("cuMemRelease",)}}
+        def workload(pool):
+            live = []
+            for i in range(60):
+                live.append(pool.alloc((i % 7 + 1) * 700_000 + i * 4096))
+                if i % 3 == 2:
+                    live.pop(i % len(live)).free()
+            del live
+            pool.empty_cache()
+            pool.alloc(30 << 20).free()
+            return {{kind: pool.memory_stats()["num_driver_" + kind] for kind in KINDS}}
+        pool = gpupool.Pool("cuda:0", config={config!r})  # kept open: closing it makes calls of its own
+        counted = workload(pool)
+        made = {{kind: sum(calls(name) for name in names) for kind, names in KINDS.items()}}
+        simulated = workload(gpupool.Pool("sim", capacity="1GiB", config={config!r}))
+        report(counted=counted, made=made, simulated=simulated)
+        """,
+        fake,
+    )
+    assert result["counted"] == result["made"], "the pool's count is what the driver was asked"
+    assert result["simulated"] == result["counted"], "a replay on sim counts the same calls"
+    assert sum(result["counted"].values()) > 0

@@ -98,3 +98,56 @@ def test_gpu_check_needs_a_wheel(tmp_path):
         text=True,
     )
     assert done.returncode == 2 and "no gpupool wheel" in done.stderr
+
+
+_check_spec = importlib.util.spec_from_file_location("gpu_check", BENCHES / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_check_spec)
+_check_spec.loader.exec_module(gpu_check)
+
+
+def test_training_runs_must_agree_exactly():
+    def run(losses, peak):
+        return {"ok": True, "result": {"losses": losses, "peak_reserved_bytes": peak}}
+
+    same = gpu_check.compare_training(run([3.0] * 50, 400), run([3.0] * 50, 300))
+    assert same["ok"] and same["max_loss_difference"] == 0.0 and same["peak_reserved_ratio"] == 0.75
+    apart = gpu_check.compare_training(run([3.0] * 50, 400), run([3.0] * 49 + [3.5], 300))
+    assert not apart["ok"] and apart["max_loss_difference"] == 0.5
+    failed = gpu_check.compare_training({"ok": False, "error": "boom"}, run([3.0] * 50, 1))
+    assert not failed["ok"] and failed["native"]["error"] == "boom"
+
+
+def test_bench_ratios_are_against_gpupool():
+    timings = [
+        {"workload": "w", "contender": "gpupool.Pool", "seconds": [0.001, 0.002, 0.003]},
+        {"workload": "w", "contender": "cudaMalloc", "seconds": [0.2, 0.1, 0.3]},
+        {"workload": "v", "contender": "cudaMalloc", "seconds": [0.2]},
+    ]
+    assert gpu_check.bench_ratios(timings) == {"w": {"cudaMalloc": 100.0}}
+
+
+def test_a_step_reports_its_json_its_failure_or_its_timeout():
+    ok = gpu_check.run_step("ok", [sys.executable, "-c", "print('noise'); print('{\"x\": 1}')"], 30)
+    assert ok["ok"] and ok["result"] == {"x": 1}
+    failed = gpu_check.run_step("failed", [sys.executable, "-c", "import sys; sys.exit('why')"], 30)
+    assert not failed["ok"] and "why" in failed["output"]
+    slow = gpu_check.run_step("slow", [sys.executable, "-c", "import time; time.sleep(5)"], 0.5)
+    assert not slow["ok"] and "timed out" in slow["error"]
+
+
+def test_without_a_gpu_every_step_says_why(tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["gpu"] is False
+    assert set(report["steps"]) == {"tests", "training", "hooks", "bench"}
+    assert all("no usable CUDA driver" in step["skipped"] for step in report["steps"].values())
+
+
+def test_the_steps_run_and_report_on_a_machine_without_frameworks(tmp_path):
+    report = gpu_check.check(tmp_path, sys.executable, gpu=True)
+    steps = report["steps"]
+    assert steps["tests"]["ok"], steps["tests"]  # every gpu test skips here, none fails
+    assert steps["hooks"]["ok"] and set(steps["hooks"]["result"]) == {"cupy", "numba"}
+    if importlib.util.find_spec("torch") is None:
+        assert steps["training"] == {"skipped": "torch is not installed"}
+    assert steps["bench"]["ok"] is False and "bench" in steps["bench"]["step"], "cuda:0 is not there"

@@ -9,6 +9,7 @@ from gpupool._native import (
     OutOfMemoryError,
     Stream,
     cuda_available,
+    cuda_mem_get_info,
     device_count,
 )
 from gpupool._summary import format_memory_summary
@@ -25,6 +26,7 @@ __all__ = [
     "Trace",
     "View",
     "cuda_available",
+    "cuda_mem_get_info",
     "device_count",
     "format_memory_summary",
     "replay",

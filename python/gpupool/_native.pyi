@@ -14,6 +14,9 @@ def cuda_available() -> bool:
 def device_count() -> int:
     """GPUs the CUDA driver sees; 0 without a usable driver; never raises."""
 
+def cuda_mem_get_info(device: int = 0) -> tuple[int, int]:
+    """``(free, total)`` bytes of a CUDA device as the driver counts them (``cuMemGetInfo``)."""
+
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``80GiB``, ``512 MiB``, ``1.5GB`` or ``4096``."""
 
@@ -215,7 +218,10 @@ class ReplayResult:
     def device_allocs(self) -> int: ...
     @property
     def device_calls(self) -> int:
-        """Segment allocations and releases plus page maps and unmaps."""
+        """Driver calls that obtain or return memory, as the CUDA backend makes them."""
+    @property
+    def driver_calls(self) -> dict[str, int]:
+        """Those calls by kind: malloc, free, reserve, unreserve, create, map, set_access, unmap, release."""
     @property
     def device_calls_per_1k_allocs(self) -> float: ...
     @property

@@ -80,6 +80,7 @@ def as_dict(result: ReplayResult) -> dict[str, Any]:
         "device_allocs": result.device_allocs,
         "device_calls": result.device_calls,
         "device_calls_per_1k_allocs": result.device_calls_per_1k_allocs,
+        "driver_calls": result.driver_calls,
         "ooms": result.ooms,
         "events_per_second": result.events_per_second,
         "min_capacity_bytes": result.min_capacity_bytes,
@@ -91,7 +92,7 @@ def table(results: Sequence[ReplayResult]) -> str:
     """A Markdown table with one row per trace and configuration."""
     with_min = any(r.min_capacity_bytes is not None for r in results)
     header = ["trace", "config", "events", "peak live", "peak reserved", "utilization"]
-    header += ["device calls / 1k allocs", "OOMs"]
+    header += ["driver calls / 1k allocs", "OOMs"]
     header += ["min capacity", "utilization at min"] if with_min else []
     header += ["events/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]

@@ -8,6 +8,8 @@ access, so importing this module does not import Numba.
 from __future__ import annotations
 
 import ctypes
+import os
+import weakref
 from typing import Any
 
 import gpupool
@@ -25,10 +27,63 @@ def _device_pointer(address: int) -> Any:
     return ctypes.c_uint64(address)
 
 
-def _build() -> type:
-    from numba.cuda import HostOnlyCUDAMemoryManager, MemoryPointer
+def _address(memory: Any) -> int:
+    """A Numba MemoryPointer's device address, with or without the NVIDIA binding."""
+    pointer = memory.device_pointer
+    return int(pointer) if not hasattr(pointer, "value") else int(pointer.value)
 
-    class GpupoolMemoryManager(HostOnlyCUDAMemoryManager):
+
+def _shared_pages_handle_class() -> type:
+    """Numba's IpcHandle for shareable pages: pickled to the other process, opened there by
+    duplicating the exporter's descriptors (gpupool._native._import_pages)."""
+    from numba.cuda import MemoryPointer
+    from numba.cuda.cudadrv.driver import IpcHandle
+
+    class SharedPagesIpcHandle(IpcHandle):
+        def __init__(self, base: Any, export: tuple, owner: bool):
+            pid, pages, offset, size, device, source = export
+            super().__init__(base, None, size, source_info=source, offset=offset)
+            self.export, self._imported = export, None
+            if owner:
+                # The descriptors must outlive the pickling; they go when this handle does.
+                weakref.finalize(self, _close_all, [fd for fd, _ in pages])
+
+        def __reduce__(self) -> tuple:
+            return (_rebuild_shared_pages, (self.export,))
+
+        def open(self, context: Any) -> MemoryPointer:
+            pid, pages, offset, size, device, _ = self.export
+            self._imported = gpupool._native._import_pages(device, pid, pages)
+            address = self._imported.base + offset
+            return MemoryPointer(context, _device_pointer(address), size, finalizer=self._imported.close)
+
+        def close(self) -> None:
+            if self._imported is not None:
+                self._imported.close()
+                self._imported = None
+
+    return SharedPagesIpcHandle
+
+
+def shared_pages_handle(base: Any, export: tuple, owner: bool = True) -> Any:
+    """An IpcHandle for pages exported as ``export`` = (pid, [(fd, size)], offset, size, device,
+    source identity); the exporting process owns (and eventually closes) the descriptors."""
+    return _shared_pages_handle_class()(base, export, owner)
+
+
+def _rebuild_shared_pages(export: tuple) -> Any:
+    return shared_pages_handle(None, export, owner=False)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _build() -> type:
+    from numba.cuda import GetIpcHandleMixin, HostOnlyCUDAMemoryManager, MemoryPointer
+
+    class GpupoolMemoryManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         """Device memory from one gpupool pool per Numba context; host memory as Numba does it."""
 
         def initialize(self) -> None:
@@ -48,12 +103,25 @@ def _build() -> type:
             return MemoryPointer(self.context, _device_pointer(ptr.ptr), size, finalizer=finalize)
 
         def get_memory_info(self) -> Any:
-            # Numba's own answer would ask this plugin again; the pool's figures are not the
-            # device's free memory either.
-            raise NotImplementedError("ask the driver (cuMemGetInfo) for device memory figures")
+            # The driver's figures, as Numba's own memory manager reports them: memory this
+            # pool caches counts as used (it is, for every other allocator on the device).
+            from numba.cuda import MemoryInfo
+
+            free, total = gpupool.cuda_mem_get_info(self.context.device.id)
+            return MemoryInfo(free=free, total=total)
 
         def get_ipc_handle(self, memory: MemoryPointer) -> Any:
-            raise NotImplementedError("gpupool does not export IPC handles")
+            address = _address(memory)
+            if self.pool.config["shareable_handle"] == "posix_fd":
+                # Pages made shareable travel as file descriptors, one per physical allocation.
+                pid, pages, offset = gpupool._native._export_pages(self.pool, address, memory.size)
+                source = self.context.device.get_device_identity()
+                return shared_pages_handle(memory, (pid, pages, offset, memory.size, self.context.device.id, source))
+            # A CUDA IPC handle exists for the pool's cuMemAlloc segments (strategies with plain
+            # segments, such as strategy:pytorch); gpupool says clearly when the memory has none,
+            # then Numba's own mixin builds the IpcHandle its receiving side opens.
+            gpupool._native._ipc_handle(self.pool, address)
+            return GetIpcHandleMixin.get_ipc_handle(self, memory)
 
         def reset(self) -> None:
             super().reset()

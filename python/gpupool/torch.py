@@ -1,27 +1,60 @@
 """PyTorch: serve ``torch.cuda`` allocations from gpupool through PyTorch's pluggable allocator.
 
-The extension module exports ``gpupool_alloc`` / ``gpupool_free`` with the signatures
-``CUDAPluggableAllocator`` expects; they serve one process-wide pool per device. PyTorch is
-imported only when ``install`` is called.
+The extension module exports, with the signatures ``CUDAPluggableAllocator`` expects:
+``gpupool_torch_alloc`` (allocation; a failure is thrown as a C++ exception, which PyTorch raises
+in Python as a ``RuntimeError`` carrying gpupool's out-of-memory report, instead of handing out a
+tensor at address 0), ``gpupool_free``, ``gpupool_record_stream`` (``tensor.record_stream``) and
+``gpupool_empty_cache`` (``torch.cuda.empty_cache``). They serve one process-wide pool per
+device, each with its own lock. PyTorch is imported only when ``install`` is called.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 from gpupool import _native
 
-ALLOC_SYMBOL = "gpupool_alloc"
+ALLOC_SYMBOL = "gpupool_torch_alloc"
 FREE_SYMBOL = "gpupool_free"
+# PyTorch's Python constructor loads only the two symbols above; these reach the allocator object
+# through its setters, named here as PyTorch's bindings name them.
+HOOKS = {"set_record_stream_fn": "gpupool_record_stream", "set_reset_fn": "gpupool_empty_cache"}
+PYTORCH_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
-def install(config: str | None = None) -> None:
+def config_from_environment(pytorch_env: bool = False) -> str:
+    """``GPUPOOL_ALLOC_CONF``, else with ``pytorch_env`` PyTorch's variables, else the defaults."""
+    names = ("GPUPOOL_ALLOC_CONF", *PYTORCH_ENV_VARS) if pytorch_env else ("GPUPOOL_ALLOC_CONF",)
+    return next((os.environ[name] for name in names if os.environ.get(name)), "")
+
+
+def install(config: str | None = None, *, pytorch_env: bool = False) -> None:
     """Makes gpupool PyTorch's CUDA allocator, with ``config`` as for ``gpupool.Pool``.
 
-    Call it before PyTorch allocates any CUDA memory: PyTorch cannot swap an allocator in use.
+    Without ``config``, ``GPUPOOL_ALLOC_CONF`` is read, and with ``pytorch_env=True`` also
+    ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` (every PyTorch key is understood;
+    ``backend:cudaMallocAsync`` hands each request to the driver's stream-ordered pool). Call it
+    before PyTorch allocates any CUDA memory: PyTorch cannot swap an allocator in use. Raises
+    ``RuntimeError`` if this PyTorch cannot forward ``record_stream`` and ``empty_cache`` to a
+    pluggable allocator: without the first, a block used on a side stream could be reused early.
     """
     from torch.cuda.memory import CUDAPluggableAllocator, change_current_allocator
 
-    _native._capi_configure("cuda", config or "")
-    change_current_allocator(CUDAPluggableAllocator(_native.__file__, ALLOC_SYMBOL, FREE_SYMBOL))
+    text = config if config is not None else config_from_environment(pytorch_env)
+    allocator = CUDAPluggableAllocator(_native.__file__, ALLOC_SYMBOL, FREE_SYMBOL)
+    native = allocator.allocator()
+    missing = [setter for setter in HOOKS if not callable(getattr(native, setter, None))]
+    if missing:
+        raise RuntimeError(
+            f"this PyTorch's pluggable allocator lacks {', '.join(missing)}: tensor.record_stream and "
+            "torch.cuda.empty_cache could not reach gpupool (a newer PyTorch has them)"
+        )
+    _native._capi_configure("cuda", text)
+    library = ctypes.CDLL(_native.__file__)
+    for setter, symbol in HOOKS.items():
+        getattr(native, setter)(ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value)
+    change_current_allocator(allocator)
 
 
 def memory_stats(device: int = 0) -> dict[str, int]:
@@ -35,5 +68,5 @@ def empty_cache() -> int:
 
 
 def last_error() -> str | None:
-    """Why the latest allocation or free failed (PyTorch only sees a null pointer)."""
+    """Why the latest allocation, free or record_stream through the hook failed."""
     return _native._capi_last_error()

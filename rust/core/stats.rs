@@ -120,6 +120,8 @@ pub struct Stats {
     /// Page-range map and unmap calls of expandable segments.
     pub num_device_map: u64,
     pub num_device_unmap: u64,
+    /// What those operations cost in driver calls, by kind.
+    pub driver: super::DriverCalls,
 }
 
 impl Stats {
@@ -166,6 +168,8 @@ impl Stats {
         out.push(("num_device_free".into(), self.num_device_free));
         out.push(("num_device_map".into(), self.num_device_map));
         out.push(("num_device_unmap".into(), self.num_device_unmap));
+        out.push(("num_driver_calls".into(), self.driver.total()));
+        out.extend(self.driver.entries().map(|(kind, n)| (format!("num_driver_{kind}"), n)));
         out
     }
 

@@ -1,20 +1,27 @@
 //! `cuda:N`: device memory from the CUDA driver, loaded at run time (feature `cuda`).
 //!
 //! Segments come from `cuMemAlloc` ([`Mode::Direct`]) or from the driver's own stream-ordered
-//! pool, `cuMemAllocAsync` on the legacy default stream ([`Mode::Async`]: PyTorch's
-//! `backend:cudaMallocAsync`, and a baseline for benchmarks). Streams and events are real driver objects behind the trait's numbering: stream
-//! [`DEFAULT_STREAM`] is the legacy default stream (handle 0), streams made here are created with
-//! default flags, and streams imported by handle (`torch.cuda.current_stream().cuda_stream`) are
-//! used but never destroyed. Reserved address ranges mapped page by page (`reserve`, `map`) live
-//! in [`vmm`].
+//! pool, `cuMemAllocAsync` / `cuMemFreeAsync` on the stream the segment is for ([`Mode::Async`]:
+//! PyTorch's `backend:cudaMallocAsync`, and a baseline for benchmarks). Streams and events are
+//! real driver objects behind the trait's numbering: stream [`DEFAULT_STREAM`] is the legacy
+//! default stream (handle 0), streams made here are non-blocking (as PyTorch's and CuPy's side
+//! streams are), and streams imported by handle (`torch.cuda.current_stream().cuda_stream`) are
+//! used but never destroyed. Reserved address ranges mapped in runs (`reserve`, `map`) live in
+//! [`vmm`].
 //!
-//! Every driver call binds the device's primary context to the calling thread first, and no
+//! Work on memory goes on a stream ordered after the memory's users, never on the legacy stream
+//! for memory a non-blocking stream uses: copies are queued on the stream the caller names and
+//! then that stream is synchronized. Every entry point makes the device's primary context current
+//! through a guard that restores the caller's on the way out ([`driver::Context::enter`]), and no
 //! path can panic: [`driver::probe`] checks the library and its symbols before the first call.
 
 pub mod driver;
+pub mod ipc;
 pub mod vmm;
 
-use super::{check_capacity, Device, DeviceError, EventId, MemoryInfo, StreamId, DEFAULT_STREAM};
+use super::{
+    check_capacity, Device, DeviceError, EventId, ExportedPages, MappingOptions, MemoryInfo, StreamId, DEFAULT_STREAM,
+};
 use cudarc::driver::sys;
 use driver::{check, check_alloc, check_ready, Context};
 use std::collections::{BTreeMap, HashMap};
@@ -24,7 +31,8 @@ use std::collections::{BTreeMap, HashMap};
 pub enum Mode {
     /// `cuMemAlloc` / `cuMemFree`: every segment is a synchronous driver allocation.
     Direct,
-    /// `cuMemAllocAsync` / `cuMemFreeAsync` on the legacy default stream: the driver's pool.
+    /// `cuMemAllocAsync` / `cuMemFreeAsync` on the segment's stream: the driver's pool, told to
+    /// keep what it caches (release threshold: unlimited), as PyTorch's backend does.
     Async,
 }
 
@@ -36,6 +44,15 @@ struct RawStream {
     owned: bool,
 }
 
+/// A segment from `cuMemAlloc` or `cuMemAllocAsync`.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    size: u64,
+    /// Where an async-mode segment is freed: the stream it was allocated for (stream order then
+    /// puts the free after that stream's work; other streams' uses were waited for by the pool).
+    stream: StreamId,
+}
+
 #[derive(Debug)]
 pub struct Cuda {
     name: String,
@@ -45,8 +62,8 @@ pub struct Cuda {
     /// The card's memory, from `cuMemGetInfo` when the device was opened.
     total: u64,
     held: u64,
-    /// Live segments: address -> size, ordered so copies find the segment holding a range.
-    live: BTreeMap<u64, u64>,
+    /// Live segments by address, ordered so copies find the segment holding a range.
+    live: BTreeMap<u64, Segment>,
     streams: HashMap<StreamId, RawStream>,
     next_stream: StreamId,
     events: HashMap<EventId, u64>,
@@ -82,6 +99,17 @@ pub fn device_count() -> usize {
     driver::probe().map_or(0, |info| info.device_count.max(0) as usize)
 }
 
+/// `(free, total)` bytes of `cuda:ordinal` as the driver counts them (`cuMemGetInfo`): memory
+/// every process and pool holds counts as used.
+pub fn memory_figures(ordinal: i32) -> Result<(u64, u64), DeviceError> {
+    let context = Context::retain(ordinal)?;
+    let _current = context.enter()?;
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: the context is current; both pointers are valid for one write.
+    check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+    Ok((free as u64, total as u64))
+}
+
 impl Cuda {
     /// Opens `cuda:ordinal`; `capacity` caps what this device hands out, below the card's size.
     pub fn open(ordinal: i32, mode: Mode, capacity: Option<u64>) -> Result<Self, DeviceError> {
@@ -89,10 +117,13 @@ impl Cuda {
             driver::require_symbols(driver::ASYNC_SYMBOLS, "cuda async mode")?;
         }
         let context = Context::retain(ordinal)?;
-        context.bind()?;
+        let _current = context.enter()?;
         let (mut free, mut total) = (0, 0);
         // SAFETY: the context is current; both pointers are valid for one write.
         check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        if mode == Mode::Async {
+            keep_driver_pool_cache(ordinal)?;
+        }
         let mut streams = HashMap::new();
         streams.insert(DEFAULT_STREAM, RawStream { handle: 0, owned: false });
         Ok(Cuda {
@@ -128,7 +159,7 @@ impl Cuda {
     /// Checks that `[address, address + len)` lies in one live segment or one mapped range.
     fn check_range(&self, address: u64, len: usize) -> Result<(), DeviceError> {
         let end = address.checked_add(len as u64).ok_or(DeviceError::InvalidAddress(address))?;
-        let in_segment = self.live.range(..=address).next_back().is_some_and(|(&base, &size)| end <= base + size);
+        let in_segment = self.live.range(..=address).next_back().is_some_and(|(&base, s)| end <= base + s.size);
         if in_segment || self.reservations.is_mapped(address, end) {
             Ok(())
         } else {
@@ -136,14 +167,44 @@ impl Cuda {
         }
     }
 
-    fn free_segment(&self, address: u64) -> Result<(), DeviceError> {
+    /// Returns a segment to the driver; the context must be current.
+    fn free_segment(&self, address: u64, segment: Segment) -> Result<(), DeviceError> {
         match self.mode {
             // SAFETY: `address` is a live allocation of ours, freed once (callers remove it first).
             Mode::Direct => check("cuMemFree", unsafe { sys::cuMemFree_v2(address) }),
-            // SAFETY: as above; freed on the legacy default stream, where it was allocated.
-            Mode::Async => check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(address, std::ptr::null_mut()) }),
+            Mode::Async => {
+                // A destroyed stream was synchronized first: its segments are idle, and any
+                // stream may free them; the default stream is the one that always exists.
+                let stream = self.stream(segment.stream).or_else(|_| self.stream(DEFAULT_STREAM))?;
+                // SAFETY: as above; freed in the order of the stream it was allocated for.
+                check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(address, stream) })
+            }
         }
     }
+
+    /// Waits for all work in the device's context: before memory goes back at teardown, when
+    /// streams imported from elsewhere may still be running kernels on it.
+    fn synchronize_context(&self) -> Result<(), DeviceError> {
+        let _current = self.context.enter()?;
+        // SAFETY: no arguments; the context is current.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+}
+
+/// Makes the device's stream-ordered pool keep what it caches instead of returning it to the
+/// driver at every synchronization (its default threshold is 0), as PyTorch's
+/// `backend:cudaMallocAsync` does: otherwise the `async` baseline pays for re-allocation that no
+/// caching allocator pays, and comparisons against it are unfair.
+fn keep_driver_pool_cache(ordinal: i32) -> Result<(), DeviceError> {
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: the ordinal was validated by `Context::retain`; one pointer written.
+    check("cuDeviceGetDefaultMemPool", unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal) })?;
+    let mut threshold = u64::MAX;
+    let attribute = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // SAFETY: the attribute takes a cuuint64_t, which `threshold` is, for the call's duration.
+    check("cuMemPoolSetAttribute", unsafe {
+        sys::cuMemPoolSetAttribute(pool, attribute, (&mut threshold as *mut u64).cast())
+    })
 }
 
 impl Device for Cuda {
@@ -152,31 +213,37 @@ impl Device for Cuda {
     }
 
     fn allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
+        self.allocate_on(size, DEFAULT_STREAM)
+    }
+
+    fn allocate_on(&mut self, size: u64, stream: StreamId) -> Result<u64, DeviceError> {
         check_capacity(self.capacity, self.held, size)?;
         let bytes = usize::try_from(size.max(1)).map_err(|_| DeviceError::OutOfMemory { requested: size })?;
-        self.context.bind()?;
+        let raw_stream = self.stream(stream)?;
+        let _current = self.context.enter()?;
         let mut address = 0;
         match self.mode {
             // SAFETY: the context is current; the pointer is valid for one write.
             Mode::Direct => check_alloc("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut address, bytes) }, size)?,
             Mode::Async => check_alloc(
                 "cuMemAllocAsync",
-                // SAFETY: as above; the symbol exists (checked when the device opened).
-                unsafe { sys::cuMemAllocAsync(&mut address, bytes, std::ptr::null_mut()) },
+                // SAFETY: as above; the symbol exists (checked when the device opened) and the
+                // stream is live.
+                unsafe { sys::cuMemAllocAsync(&mut address, bytes, raw_stream) },
                 size,
             )?,
         }
-        self.live.insert(address, size);
+        self.live.insert(address, Segment { size, stream });
         self.held += size;
         Ok(address)
     }
 
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
-        let size = *self.live.get(&address).ok_or(DeviceError::InvalidAddress(address))?;
-        self.context.bind()?;
-        self.free_segment(address)?;
+        let segment = *self.live.get(&address).ok_or(DeviceError::InvalidAddress(address))?;
+        let _current = self.context.enter()?;
+        self.free_segment(address, segment)?;
         self.live.remove(&address);
-        self.held -= size;
+        self.held -= segment.size;
         Ok(())
     }
 
@@ -184,28 +251,41 @@ impl Device for Cuda {
         MemoryInfo { total: Some(self.capacity.map_or(self.total, |cap| cap.min(self.total))), held: self.held }
     }
 
-    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DeviceError> {
+    /// Queued on `stream` (after the work the caller ordered there), then waited for.
+    fn write(&mut self, stream: StreamId, address: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.check_range(address, data.len())?;
-        self.context.bind()?;
-        // SAFETY: the destination lies in live device memory of ours (checked above) and the
-        // source is a valid host slice; the copy completes before the call returns.
-        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(address, data.as_ptr().cast(), data.len()) })
+        let raw_stream = self.stream(stream)?;
+        let _current = self.context.enter()?;
+        // SAFETY: the destination lies in live device memory of ours (checked above), the source
+        // is a valid host slice, and the stream is synchronized before the slice is released.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(address, data.as_ptr().cast(), data.len(), raw_stream)
+        })?;
+        // SAFETY: a live stream of this context.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw_stream) })
     }
 
-    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, stream: StreamId, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.check_range(address, out.len())?;
-        self.context.bind()?;
-        // SAFETY: the source lies in live device memory of ours (checked above) and the
-        // destination is a valid, exclusively borrowed host slice.
-        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), address, out.len()) })
+        let raw_stream = self.stream(stream)?;
+        let _current = self.context.enter()?;
+        // SAFETY: the source lies in live device memory of ours (checked above), the destination
+        // is an exclusively borrowed host slice, and the stream is synchronized before it is
+        // released.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), address, out.len(), raw_stream)
+        })?;
+        // SAFETY: a live stream of this context.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw_stream) })
     }
 
     fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         let mut raw = std::ptr::null_mut();
-        // SAFETY: the context is current; flags 0 = a stream that synchronizes with the legacy
-        // default stream, so copies on it see the stream's work finished.
-        check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut raw, 0) })?;
+        let non_blocking = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: the context is current; a non-blocking stream, as frameworks make them: nothing
+        // here relies on the legacy stream's implicit ordering.
+        check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut raw, non_blocking) })?;
         let id = self.next_stream;
         self.next_stream += 1;
         self.streams.insert(id, RawStream { handle: raw as u64, owned: true });
@@ -218,7 +298,7 @@ impl Device for Cuda {
         }
         let raw = *self.streams.get(&stream).ok_or(DeviceError::InvalidStream(stream))?;
         if raw.owned {
-            self.context.bind()?;
+            let _current = self.context.enter()?;
             // SAFETY: a stream we created and have not destroyed; pending work still completes.
             check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(raw.handle as sys::CUstream) })?;
         }
@@ -228,27 +308,25 @@ impl Device for Cuda {
 
     fn query_stream(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
         let raw = self.stream(stream)?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         // SAFETY: a live stream of this context.
         check_ready("cuStreamQuery", unsafe { sys::cuStreamQuery(raw) })
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
         let raw = self.stream(stream)?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         // SAFETY: a live stream of this context.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw) })
     }
 
     fn synchronize_device(&mut self) -> Result<(), DeviceError> {
-        self.context.bind()?;
-        // SAFETY: the context is current on this thread.
-        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+        self.synchronize_context()
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DeviceError> {
         let raw_stream = self.stream(stream)?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         let raw = match self.spare_events.pop() {
             Some(raw) => raw as sys::CUevent,
             None => {
@@ -271,14 +349,14 @@ impl Device for Cuda {
 
     fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError> {
         let raw = self.event(event)?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         // SAFETY: a live event of this context.
         check_ready("cuEventQuery", unsafe { sys::cuEventQuery(raw) })
     }
 
     fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError> {
         let raw = self.event(event)?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         // SAFETY: a live event of this context.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(raw) })
     }
@@ -293,7 +371,7 @@ impl Device for Cuda {
 
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), DeviceError> {
         let (raw_stream, raw_event) = (self.stream(stream)?, self.event(event)?);
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         // SAFETY: a live stream and a live event of this context.
         check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(raw_stream, raw_event, 0) })
     }
@@ -314,6 +392,20 @@ impl Device for Cuda {
         self.streams.get(&stream).map(|raw| raw.handle)
     }
 
+    fn captures_graphs(&self) -> bool {
+        true
+    }
+
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        let raw = self.stream(stream)?;
+        let _current = self.context.enter()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live stream of this context; one status written. Unlike a query, asking about
+        // capture is allowed during capture.
+        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(raw, &mut status) })?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {
         self.reserve_range(size)
     }
@@ -322,8 +414,40 @@ impl Device for Cuda {
         self.unreserve_range(address)
     }
 
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        self.map_range(address, size)
+    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
+        self.map_range(address, size, page)
+    }
+
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        self.page_size()
+    }
+
+    fn export_pages(&mut self, address: u64, len: u64) -> Result<ExportedPages, DeviceError> {
+        self.export_range(address, len)
+    }
+
+    /// CUDA's IPC handle (`cuIpcGetMemHandle`) of the `cuMemAlloc` segment holding `address`,
+    /// which another process opens with `cuIpcOpenMemHandle` (as Numba's and PyTorch's IPC do).
+    /// Pages of reserved ranges and the driver's stream-ordered pool have no such handle.
+    fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        let (&base, _) = self
+            .live
+            .range(..=address)
+            .next_back()
+            .filter(|(&base, s)| address < base + s.size && self.mode == Mode::Direct)
+            .ok_or(DeviceError::Unsupported(
+                "IPC handles for paged or stream-ordered memory (a pool with plain segments, such as \
+                 strategy:pytorch, has them)",
+            ))?;
+        let _current = self.context.enter()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `base` is a live cuMemAlloc allocation of ours; 64 bytes written.
+        check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, base) })?;
+        Ok((handle.reserved.iter().map(|&b| b as u8).collect(), address - base))
+    }
+
+    fn set_mapping_options(&mut self, options: &MappingOptions) {
+        self.mapping_options(options);
     }
 
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
@@ -332,14 +456,18 @@ impl Device for Cuda {
 }
 
 impl Drop for Cuda {
-    /// Returns everything still held; errors are ignored because the driver may already be
-    /// shutting down at process exit, when nothing is left to protect.
+    /// Waits for the context's work (streams imported from PyTorch or CuPy may still be running
+    /// kernels on this memory), then returns everything still held. Errors are ignored because
+    /// the driver may already be shutting down at process exit, when nothing is left to protect;
+    /// if even waiting fails, the memory is left to the driver rather than freed under running
+    /// work.
     fn drop(&mut self) {
-        if self.context.bind().is_err() {
+        if self.synchronize_context().is_err() {
             return;
         }
-        for &address in self.live.keys() {
-            let _ = self.free_segment(address);
+        let Ok(_current) = self.context.enter() else { return };
+        for (&address, &segment) in &self.live {
+            let _ = self.free_segment(address, segment);
         }
         self.reservations.release_all();
         for raw in self.streams.values().filter(|raw| raw.owned) {

@@ -241,6 +241,9 @@ impl<D: Device> Device for Faulty<D> {
     fn allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
         self.call(FaultCall::Allocate, DeviceError::OutOfMemory { requested: size }, |d| d.allocate(size))
     }
+    fn allocate_on(&mut self, size: u64, stream: StreamId) -> Result<u64, DeviceError> {
+        self.call(FaultCall::Allocate, DeviceError::OutOfMemory { requested: size }, |d| d.allocate_on(size, stream))
+    }
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
         self.call(FaultCall::Release, Self::driver_error(FaultCall::Release), |d| d.release(address))
     }
@@ -250,15 +253,21 @@ impl<D: Device> Device for Faulty<D> {
     fn host_accessible(&self) -> bool {
         self.inner.host_accessible()
     }
-    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DeviceError> {
-        self.call(FaultCall::Copy, Self::driver_error(FaultCall::Copy), |d| d.write(address, data))
+    fn write(&mut self, stream: StreamId, address: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.call(FaultCall::Copy, Self::driver_error(FaultCall::Copy), |d| d.write(stream, address, data))
     }
-    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, stream: StreamId, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         // Reads take `&self`: delayed, never failed.
         if !self.plan.delay.is_zero() {
             std::thread::sleep(self.plan.delay);
         }
-        self.inner.read(address, out)
+        self.inner.read(stream, address, out)
+    }
+    fn captures_graphs(&self) -> bool {
+        self.inner.captures_graphs()
+    }
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        self.inner.is_capturing(stream)
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
         self.inner.create_stream()
@@ -300,8 +309,20 @@ impl<D: Device> Device for Faulty<D> {
         self.inner.unreserve(address)
     }
     /// Mapping pages is how paged pools obtain memory, so it fails like `allocate`.
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        self.call(FaultCall::Map, DeviceError::OutOfMemory { requested: size }, |d| d.map(address, size))
+    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
+        self.call(FaultCall::Map, DeviceError::OutOfMemory { requested: size }, |d| d.map(address, size, page))
+    }
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        self.inner.mapping_granularity()
+    }
+    fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        self.inner.ipc_handle(address)
+    }
+    fn export_pages(&mut self, address: u64, len: u64) -> Result<super::ExportedPages, DeviceError> {
+        self.inner.export_pages(address, len)
+    }
+    fn set_mapping_options(&mut self, options: &super::MappingOptions) {
+        self.inner.set_mapping_options(options)
     }
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
         self.call(FaultCall::Unmap, Self::driver_error(FaultCall::Unmap), |d| d.unmap(address, size))

@@ -1,6 +1,6 @@
 //! `host`: real, page-aligned host memory, so data written through an allocation reads back.
 
-use super::{check_capacity, Device, DeviceError, MemoryInfo, Reservations, SimStreams};
+use super::{check_capacity, Device, DeviceError, MemoryInfo, Reservations, SimStreams, StreamId};
 use std::alloc::{self, Layout};
 use std::collections::BTreeMap;
 
@@ -130,7 +130,8 @@ impl Device for Host {
         Ok(())
     }
 
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+    /// Any sub-range can be unmapped later, so `page` needs no bookkeeping.
+    fn map(&mut self, address: u64, size: u64, _page: u64) -> Result<(), DeviceError> {
         self.reservations.check_unmapped(address, size)?;
         check_capacity(self.capacity, self.held, size)?;
         Self::protect(address, size, libc::PROT_READ | libc::PROT_WRITE)?;
@@ -162,7 +163,8 @@ impl Device for Host {
         true
     }
 
-    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DeviceError> {
+    /// Host copies are synchronous and host streams simulated: no queued work to order after.
+    fn write(&mut self, _stream: StreamId, address: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.check_range(address, data.len())?;
         // SAFETY: the destination range lies inside one live allocation of ours (checked above)
         // and cannot overlap `data`, which Rust borrows from elsewhere.
@@ -173,7 +175,7 @@ impl Device for Host {
         Ok(())
     }
 
-    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, _stream: StreamId, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.check_range(address, out.len())?;
         // SAFETY: the source range lies inside one live allocation of ours (checked above).
         #[allow(unsafe_code)]
@@ -207,18 +209,19 @@ impl Drop for Host {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::DEFAULT_STREAM;
 
     #[test]
     fn data_round_trips_and_ranges_are_checked() {
         let mut host = Host::new(Some(1 << 20));
         let a = host.allocate(8192).unwrap();
         assert_eq!(a % PAGE as u64, 0);
-        host.write(a + 100, b"gpupool").unwrap();
+        host.write(DEFAULT_STREAM, a + 100, b"gpupool").unwrap();
         let mut out = [0u8; 7];
-        host.read(a + 100, &mut out).unwrap();
+        host.read(DEFAULT_STREAM, a + 100, &mut out).unwrap();
         assert_eq!(&out, b"gpupool");
-        assert!(host.write(a + 8190, b"xyz").is_err());
-        assert!(host.read(a + 8192 + PAGE as u64 * 100, &mut out).is_err());
+        assert!(host.write(DEFAULT_STREAM, a + 8190, b"xyz").is_err());
+        assert!(host.read(DEFAULT_STREAM, a + 8192 + PAGE as u64 * 100, &mut out).is_err());
         assert_eq!(host.allocate(2 << 20), Err(DeviceError::OutOfMemory { requested: 2 << 20 }));
         host.release(a).unwrap();
         assert!(host.release(a).is_err());
@@ -229,15 +232,15 @@ mod tests {
     fn mapped_pages_hold_data_and_count_against_capacity() {
         let mut host = Host::new(Some(8 << 20));
         let base = host.reserve(1 << 30).unwrap();
-        assert!(host.write(base, b"x").is_err(), "unmapped");
-        host.map(base + (2 << 20), 4 << 20).unwrap();
-        host.write(base + (3 << 20), b"page").unwrap();
+        assert!(host.write(DEFAULT_STREAM, base, b"x").is_err(), "unmapped");
+        host.map(base + (2 << 20), 4 << 20, 2 << 20).unwrap();
+        host.write(DEFAULT_STREAM, base + (3 << 20), b"page").unwrap();
         let mut out = [0u8; 4];
-        host.read(base + (3 << 20), &mut out).unwrap();
+        host.read(DEFAULT_STREAM, base + (3 << 20), &mut out).unwrap();
         assert_eq!(&out, b"page");
-        assert!(host.map(base + (8 << 20), 6 << 20).is_err(), "capacity");
+        assert!(host.map(base + (8 << 20), 6 << 20, 2 << 20).is_err(), "capacity");
         host.unmap(base + (2 << 20), 4 << 20).unwrap();
-        assert!(host.read(base + (3 << 20), &mut out).is_err());
+        assert!(host.read(DEFAULT_STREAM, base + (3 << 20), &mut out).is_err());
         host.unreserve(base).unwrap();
         assert_eq!(host.memory_info().held, 0);
     }

@@ -6,8 +6,11 @@
 //!   A refusal leaves the device unchanged.
 //! - [`Device::release`] takes back exactly an address `allocate` returned and not yet released;
 //!   anything else is [`DeviceError::InvalidAddress`] and changes nothing.
+//! - [`Device::allocate_on`] is `allocate` for use on a stream: devices whose allocation is
+//!   stream-ordered (CUDA's `cudaMallocAsync`) order it on that stream.
 //! - [`Device::write`] / [`Device::read`] copy between host buffers and device memory inside one
-//!   live allocation; devices without memory behind their addresses answer `Unsupported`.
+//!   live allocation, ordered after the work queued on the given stream, and complete before they
+//!   return; devices without memory behind their addresses answer `Unsupported`.
 //! - Streams and events: stream [`DEFAULT_STREAM`] always exists. `record_event` marks the
 //!   current end of a stream's work; `query_event` says whether everything before it finished;
 //!   `synchronize_*` block until it has (`synchronize_device`: every stream); `stream_wait_event` orders a stream's later work after an
@@ -15,6 +18,8 @@
 //!   stream busy until synchronized) and is a no-op where real kernels keep streams busy.
 //!   `import_stream` wraps a stream made elsewhere (a raw `cudaStream_t`) and `stream_handle`
 //!   gives a stream's raw handle back; devices without real streams answer `Unsupported` / `None`.
+//!   `is_capturing` says whether a stream is being captured into a CUDA graph, when queries,
+//!   synchronization and allocation from the driver are not allowed on it.
 //! - A device never panics on bad input: every failure is a `DeviceError`.
 
 #[cfg(feature = "cuda")]
@@ -70,6 +75,25 @@ impl fmt::Display for DeviceError {
     }
 }
 
+/// How paged memory is made (the `shareable_handle` and `peer_access` settings).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MappingOptions {
+    /// Physical memory exportable as a POSIX file descriptor (for IPC and NCCL peer-to-peer).
+    pub shareable: bool,
+    /// Other devices granted read/write access to mapped memory.
+    pub peers: Vec<i32>,
+}
+
+/// Pages exported for another process: the exporter's pid, one file descriptor per physical
+/// allocation (with its size, in address order), and where the range asked for starts in the
+/// first. The exporting process closes the descriptors once the other side has duplicated them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedPages {
+    pub pid: u32,
+    pub pages: Vec<(i32, u64)>,
+    pub offset: u64,
+}
+
 /// What a device has: `total` is its capacity (None for "whatever the host gives").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -88,17 +112,30 @@ pub trait Device: Send {
     /// The device string users see: `host`, `sim`, `cuda:0`.
     fn name(&self) -> &str;
     fn allocate(&mut self, size: u64) -> Result<u64, DeviceError>;
+    /// Allocates `size` bytes to be used on `stream` (see the contract).
+    fn allocate_on(&mut self, size: u64, _stream: StreamId) -> Result<u64, DeviceError> {
+        self.allocate(size)
+    }
     fn release(&mut self, address: u64) -> Result<(), DeviceError>;
     fn memory_info(&self) -> MemoryInfo;
     /// Whether addresses are host pointers that Python may view directly.
     fn host_accessible(&self) -> bool {
         false
     }
-    fn write(&mut self, _address: u64, _data: &[u8]) -> Result<(), DeviceError> {
+    fn write(&mut self, _stream: StreamId, _address: u64, _data: &[u8]) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("copies"))
     }
-    fn read(&self, _address: u64, _out: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, _stream: StreamId, _address: u64, _out: &mut [u8]) -> Result<(), DeviceError> {
         Err(DeviceError::Unsupported("copies"))
+    }
+    /// Whether streams of this device can be captured into graphs, so that the pool must ask
+    /// `is_capturing` (a device call) before using one.
+    fn captures_graphs(&self) -> bool {
+        false
+    }
+    /// Whether `stream` is being captured into a CUDA graph; devices without graphs never are.
+    fn is_capturing(&mut self, _stream: StreamId) -> Result<bool, DeviceError> {
+        Ok(false)
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError>;
     fn destroy_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
@@ -135,14 +172,38 @@ pub trait Device: Send {
         Err(DeviceError::InvalidAddress(address))
     }
     /// Backs `[address, address + size)` of a reservation with memory; counts against capacity
-    /// (`OutOfMemory` when it would exceed it). The range must be unmapped.
-    fn map(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
+    /// (`OutOfMemory` when it would exceed it). The range must be unmapped, and `size` a multiple
+    /// of `page`: the unit that `unmap` will later take back on its own (on CUDA, one physical
+    /// allocation each; access is granted once for the whole range). All or nothing: on error
+    /// nothing stays mapped.
+    fn map(&mut self, address: u64, _size: u64, _page: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }
-    /// Returns the memory behind a mapped range of a reservation to the device.
+    /// Returns the memory behind mapped pages of a reservation to the device: whole `page`s as
+    /// given to `map`. All or nothing for one page; the pool unmaps page by page so that a failure
+    /// leaves its page map and the device agreeing.
     fn unmap(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }
+    /// An inter-process handle for the allocation holding `address`: the driver's bytes and the
+    /// offset of `address` in that allocation. Devices without IPC answer `Unsupported`.
+    fn ipc_handle(&mut self, _address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        Err(DeviceError::Unsupported("IPC handles"))
+    }
+    /// File descriptors for the pages under `[address, address + len)`, for another process to
+    /// map (CUDA with `shareable_handle:posix_fd`); others answer `Unsupported`.
+    fn export_pages(&mut self, _address: u64, _len: u64) -> Result<ExportedPages, DeviceError> {
+        Err(DeviceError::Unsupported("exporting pages to other processes"))
+    }
+    /// The smallest unit `map` can work in (CUDA's allocation granularity); pages must be
+    /// multiples of it.
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        Ok(1)
+    }
+    /// How mapped memory is made from now on: shareable with other processes, accessible from
+    /// peer devices. Devices without such things ignore the options; a device that cannot honour
+    /// them says so at the next `map`.
+    fn set_mapping_options(&mut self, _options: &MappingOptions) {}
 }
 
 /// Implements the stream and event calls of [`Device`] by forwarding to field `$field`.
@@ -199,6 +260,9 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
         (**self).allocate(size)
     }
+    fn allocate_on(&mut self, size: u64, stream: StreamId) -> Result<u64, DeviceError> {
+        (**self).allocate_on(size, stream)
+    }
     fn release(&mut self, address: u64) -> Result<(), DeviceError> {
         (**self).release(address)
     }
@@ -208,11 +272,17 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn host_accessible(&self) -> bool {
         (**self).host_accessible()
     }
-    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), DeviceError> {
-        (**self).write(address, data)
+    fn write(&mut self, stream: StreamId, address: u64, data: &[u8]) -> Result<(), DeviceError> {
+        (**self).write(stream, address, data)
     }
-    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
-        (**self).read(address, out)
+    fn read(&self, stream: StreamId, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        (**self).read(stream, address, out)
+    }
+    fn captures_graphs(&self) -> bool {
+        (**self).captures_graphs()
+    }
+    fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+        (**self).is_capturing(stream)
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
         (**self).create_stream()
@@ -259,8 +329,20 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
         (**self).unreserve(address)
     }
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        (**self).map(address, size)
+    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
+        (**self).map(address, size, page)
+    }
+    fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
+        (**self).mapping_granularity()
+    }
+    fn ipc_handle(&mut self, address: u64) -> Result<(Vec<u8>, u64), DeviceError> {
+        (**self).ipc_handle(address)
+    }
+    fn export_pages(&mut self, address: u64, len: u64) -> Result<ExportedPages, DeviceError> {
+        (**self).export_pages(address, len)
+    }
+    fn set_mapping_options(&mut self, options: &MappingOptions) {
+        (**self).set_mapping_options(options)
     }
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
         (**self).unmap(address, size)

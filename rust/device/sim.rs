@@ -63,7 +63,8 @@ impl Device for Sim {
         self.reservations.remove(address).map(|_| ())
     }
 
-    fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+    /// Any sub-range can be unmapped later, so `page` needs no bookkeeping.
+    fn map(&mut self, address: u64, size: u64, _page: u64) -> Result<(), DeviceError> {
         self.reservations.check_unmapped(address, size)?;
         check_capacity(Some(self.capacity), self.held, size)?;
         self.reservations.map(address, size)?;
@@ -95,6 +96,7 @@ impl Device for Sim {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::DEFAULT_STREAM;
 
     #[test]
     fn capacity_and_release() {
@@ -107,17 +109,17 @@ mod tests {
         sim.release(a).unwrap();
         assert_eq!(sim.release(a), Err(DeviceError::InvalidAddress(a)));
         assert_eq!(sim.memory_info().held, 20 << 30);
-        assert!(sim.read(b, &mut [0u8; 4]).is_err());
+        assert!(sim.read(DEFAULT_STREAM, b, &mut [0u8; 4]).is_err());
     }
 
     #[test]
     fn mapping_counts_against_capacity() {
         let mut sim = Sim::new(8 << 20);
         let base = sim.reserve(1 << 40).unwrap();
-        sim.map(base, 6 << 20).unwrap();
-        assert_eq!(sim.map(base + (6 << 20), 4 << 20), Err(DeviceError::OutOfMemory { requested: 4 << 20 }));
+        sim.map(base, 6 << 20, 2 << 20).unwrap();
+        assert_eq!(sim.map(base + (6 << 20), 4 << 20, 2 << 20), Err(DeviceError::OutOfMemory { requested: 4 << 20 }));
         sim.unmap(base, 2 << 20).unwrap();
-        sim.map(base + (6 << 20), 4 << 20).unwrap();
+        sim.map(base + (6 << 20), 4 << 20, 2 << 20).unwrap();
         assert_eq!(sim.memory_info().held, 8 << 20);
         assert!(sim.unreserve(base).is_err());
         sim.unmap(base + (2 << 20), 8 << 20).unwrap();

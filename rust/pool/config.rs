@@ -21,13 +21,18 @@
 //!   of reserved bytes, fully free segments go back to the device, oldest first.
 //! - `initial_pool_size_mb`: a segment obtained when the pool is made (capped by capacity);
 //!   `arena` grows by this unit too (default 1024).
-//! - `page_size_mb`: the mapping unit of `default` and `expandable`, a power of two (default 2).
+//! - `page_size_mb`: the mapping unit of `default` and `expandable`, a power of two (default 2);
+//!   on CUDA rounded up to the driver's allocation granularity when below it.
+//! - `shareable_handle`: `none` (default) or `posix_fd`: CUDA pages exportable as file
+//!   descriptors (IPC, NCCL peer-to-peer).
+//! - `peer_access`: `[1,2]`: devices granted read/write access to CUDA pages.
 //! - `cross_stream_reuse`: `never`, `completed` (default) or `wait`.
 //! - PyTorch's pinned-memory and graph keys are accepted and ignored (gpupool has neither).
 
 mod parse;
 
 use crate::core::{Rules, POWER2_INTERVALS};
+use crate::device::MappingOptions;
 use std::fmt;
 
 /// The environment variable the Python `Pool` reads when it is given no `config`.
@@ -147,6 +152,8 @@ pub struct Config {
     /// Bytes to obtain when the pool is made (0: none).
     pub initial_pool_size: u64,
     pub release_lock_on_cudamalloc: bool,
+    /// How pages are made (`shareable_handle`, `peer_access`); paged strategies on CUDA only.
+    pub mapping: MappingOptions,
 }
 
 /// The `default` strategy with no other key set: what `Config::parse("")` gives.
@@ -171,6 +178,8 @@ pub enum Setting {
     Bool(bool),
     /// Unset or unlimited.
     Unset,
+    /// Device numbers (`peer_access`).
+    List(Vec<u64>),
     /// `roundup_power2_divisions`: each interval's start in MiB with its divisions.
     Divisions(Vec<(u64, u32)>),
 }
@@ -207,6 +216,8 @@ impl Config {
             ("initial_pool_size_mb", Setting::Int(self.initial_pool_size / MIB)),
             ("page_size_mb", self.page_size.map_or(Setting::Unset, |p| Setting::Int(p / MIB))),
             ("cross_stream_reuse", Setting::Text(self.cross_stream_reuse.name())),
+            ("shareable_handle", Setting::Text(if self.mapping.shareable { "posix_fd" } else { "none" })),
+            ("peer_access", Setting::List(self.mapping.peers.iter().map(|&d| d as u64).collect())),
         ]
     }
 }
@@ -219,6 +230,10 @@ impl fmt::Display for Setting {
             Setting::Float(v) => write!(f, "{v}"),
             Setting::Bool(v) => f.write_str(if *v { "True" } else { "False" }),
             Setting::Unset => f.write_str("None"),
+            Setting::List(items) => {
+                let items: Vec<String> = items.iter().map(u64::to_string).collect();
+                write!(f, "[{}]", items.join(","))
+            }
             Setting::Divisions(pairs) => {
                 let items: Vec<String> = pairs.iter().map(|(mb, d)| format!("{mb}:{d}")).collect();
                 write!(f, "[{}]", items.join(","))

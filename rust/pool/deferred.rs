@@ -114,6 +114,10 @@ impl Deferred {
     ) -> Result<(), DeviceError> {
         let streams: Vec<StreamId> = heap.unfenced_streams().filter(|&s| Some(s) != except).collect();
         for stream in streams {
+            // An event recorded in a capture would be a graph node, never completed here.
+            if device.is_capturing(stream).unwrap_or(false) {
+                continue;
+            }
             let Some(epoch) = heap.fence(stream) else { continue };
             match device.record_event(stream) {
                 Ok(event) => {

@@ -129,6 +129,8 @@ pub enum PoolError {
     InvalidSize(u64),
     Heap(HeapError),
     Device(DeviceError),
+    /// The stream is being captured into a CUDA graph (see `pool/capture.rs`).
+    Capturing(crate::device::StreamId),
 }
 
 impl fmt::Display for PoolError {
@@ -138,6 +140,12 @@ impl fmt::Display for PoolError {
             PoolError::InvalidSize(size) => write!(f, "invalid allocation size {size}"),
             PoolError::Heap(e) => e.fmt(f),
             PoolError::Device(e) => e.fmt(f),
+            PoolError::Capturing(stream) => write!(
+                f,
+                "stream {stream} is being captured into a CUDA graph: gpupool does not allocate during capture \
+                 (a graph's replays would write to memory the pool hands to others); allocate the graph's \
+                 buffers before capturing"
+            ),
         }
     }
 }

@@ -146,6 +146,7 @@ impl Expandable {
         let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded + MAP_AHEAD);
         let size = wanted.div_ceil(self.page_size) * self.page_size;
         let base = device.reserve(size)?;
+        heap.stats_mut().driver.reserve += 1;
         let segment = heap.add_expandable_segment(base, size, kind, stream);
         let pages = size / self.page_size;
         let map_ahead = if kind == PoolKind::Small { SMALL_MAP_AHEAD } else { MAP_AHEAD };
@@ -244,7 +245,8 @@ impl Expandable {
         if limit.is_some_and(|limit| reserved + bytes > limit) {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
-        device.map(range.base + run.start * page_size, bytes)?;
+        device.map(range.base + run.start * page_size, bytes, page_size)?;
+        heap.stats_mut().driver.mapped_run(run.end - run.start);
         let runs = 1 - range.touches_mapped(&run);
         range.set(run, true);
         heap.note_mapped(segment, bytes, true, runs);
@@ -285,17 +287,23 @@ impl Expandable {
                 if first >= end {
                     continue;
                 }
+                // One page per call: the device can unmap each on its own (on CUDA, one
+                // mapping each), so a failure leaves every page before it unmapped and recorded
+                // as such, and the rest mapped.
                 for run in range.runs(first..end, true) {
-                    let bytes = (run.end - run.start) * page_size;
-                    device.unmap(range.base + run.start * page_size, bytes)?;
-                    if let Some(calls) = self.calls.as_mut() {
-                        calls.push((false, range.base + run.start * page_size, bytes));
+                    for page in run {
+                        let address = range.base + page * page_size;
+                        device.unmap(address, page_size)?;
+                        if let Some(calls) = self.calls.as_mut() {
+                            calls.push((false, address, page_size));
+                        }
+                        range.set(page..page + 1, false);
+                        let runs = range.touches_mapped(&(page..page + 1)) - 1;
+                        heap.note_mapped(range.segment, page_size, false, runs);
+                        heap.stats_mut().num_device_unmap += 1;
+                        heap.stats_mut().driver.unmap += 1;
+                        released += page_size;
                     }
-                    range.set(run.clone(), false);
-                    let runs = range.touches_mapped(&run) - 1;
-                    heap.note_mapped(range.segment, bytes, false, runs);
-                    heap.stats_mut().num_device_unmap += 1;
-                    released += bytes;
                 }
             }
         }
@@ -334,10 +342,16 @@ impl Expandable {
         if let Some(&(_, idle)) = known.iter().find(|(s, _)| *s == stream) {
             return Ok(idle);
         }
-        let idle = match device.query_stream(stream) {
+        let idle = match device.is_capturing(stream) {
+            // A capturing stream may not be queried or waited for: its space stays mapped.
+            Ok(true) => false,
+            Ok(false) => match device.query_stream(stream) {
+                Ok(false) if wait => device.synchronize_stream(stream).map(|_| true)?,
+                Err(DeviceError::InvalidStream(_)) => true,
+                other => other?,
+            },
             Err(DeviceError::InvalidStream(_)) => true,
-            Ok(false) if wait => device.synchronize_stream(stream).map(|_| true)?,
-            other => other?,
+            Err(e) => return Err(e),
         };
         known.push((stream, idle));
         Ok(idle)

@@ -2,9 +2,9 @@
 //! pool's memory limit (`per_process_memory_fraction`) and pre-allocation
 //! (`initial_pool_size_mb`).
 
-use super::{Config, Pool};
+use super::{Config, Pool, DEFAULT_STREAM};
 use crate::core::{Metric, PoolKind, SegmentGrowth, StatType};
-use crate::device::{Device, DeviceError};
+use crate::device::{Device, DeviceError, StreamId};
 
 /// What growth remembers between segments.
 #[derive(Clone, Copy, Debug)]
@@ -36,27 +36,30 @@ impl<D: Device> Pool<D> {
 
     /// Asks the device for `size` bytes; past the limit the pool refuses itself, as PyTorch
     /// does with a memory fraction, so the out-of-memory ladder runs as for a device refusal.
-    fn device_allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
+    fn device_allocate(&mut self, size: u64, stream: StreamId) -> Result<u64, DeviceError> {
         if self.growth.limit.is_some_and(|limit| self.reserved().saturating_add(size) > limit) {
             return Err(DeviceError::OutOfMemory { requested: size });
         }
-        let address = self.device.allocate(size)?;
-        self.heap.stats_mut().num_device_alloc += 1;
+        let address = self.device.allocate_on(size, stream)?;
+        let stats = self.heap.stats_mut();
+        stats.num_device_alloc += 1;
+        stats.driver.malloc += 1;
         Ok(address)
     }
 
     /// A new segment that holds `rounded` bytes: its address and size. Strategies that size
     /// segments by what is left back off to the bare request when the device refuses more
     /// (TF BFC's back-off, in one step).
-    pub(super) fn allocate_segment(&mut self, rounded: u64) -> Result<(u64, u64), DeviceError> {
+    /// The segment is for use on `stream` (where stream-ordered devices order its allocation).
+    pub(super) fn allocate_segment(&mut self, rounded: u64, stream: StreamId) -> Result<(u64, u64), DeviceError> {
         let rules = self.heap.rules();
         let (backs_off, doubling) = (rules.may_back_off(), rules.growth == SegmentGrowth::Doubling);
         let available = if backs_off { self.available() } else { u64::MAX };
         let size = self.heap.rules().segment_size(rounded, self.growth.region, available);
-        let (address, size) = match self.device_allocate(size) {
+        let (address, size) = match self.device_allocate(size, stream) {
             Ok(address) => (address, size),
             Err(DeviceError::OutOfMemory { .. }) if backs_off && size > rounded => {
-                (self.device_allocate(rounded)?, rounded)
+                (self.device_allocate(rounded, stream)?, rounded)
             }
             Err(e) => return Err(e),
         };
@@ -78,11 +81,11 @@ impl<D: Device> Pool<D> {
         if size == 0 {
             return;
         }
-        let address = match self.device_allocate(size) {
+        let address = match self.device_allocate(size, DEFAULT_STREAM) {
             Ok(address) => address,
             Err(DeviceError::OutOfMemory { .. }) => {
                 self.heap.stats_mut().num_alloc_retries += 1;
-                match self.device_allocate(size) {
+                match self.device_allocate(size, DEFAULT_STREAM) {
                     Ok(address) => address,
                     Err(_) => return,
                 }

@@ -1,6 +1,7 @@
 //! The pool: a heap of cached segments over a device, growing on demand and shrinking on
 //! `empty_cache` or under memory pressure.
 
+mod capture;
 mod config;
 mod deferred;
 mod error;
@@ -45,20 +46,47 @@ pub struct Pool<D: Device> {
     growth: Growth,
     /// Freed blocks kept pending for their exports (see `held.rs`).
     held: usize,
+    /// Allocations freed while a stream they use was being captured into a CUDA graph.
+    held_for_capture: Vec<Handle>,
 }
 
 impl<D: Device> Pool<D> {
-    pub fn new(device: D, config: Config) -> Self {
+    pub fn new(mut device: D, config: Config) -> Self {
         let mut heap = Heap::new(config.rules.clone());
         if config.cross_stream_reuse == CrossStreamReuse::Never {
             heap.keep_shared_apart();
         }
+        let config = Self::fit_pages_to(&mut device, config);
         let expandable = config.page_size.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
-        let mut pool =
-            Pool { device, heap, deferred: Deferred::default(), config, history: None, expandable, growth, held: 0 };
+        let mut pool = Pool {
+            device,
+            heap,
+            deferred: Deferred::default(),
+            config,
+            history: None,
+            expandable,
+            growth,
+            held: 0,
+            held_for_capture: Vec::new(),
+        };
         pool.preallocate();
         pool
+    }
+
+    /// Paged strategies: pages are whole multiples of what the device maps in (CUDA's
+    /// granularity, asked of the driver: a smaller `page_size_mb` would fail every map), and the
+    /// device makes them as `shareable_handle` / `peer_access` say. The effective page size is
+    /// what `config()` reports. A device that cannot map at all is left to fail the first map,
+    /// with the driver's reason.
+    fn fit_pages_to(device: &mut D, mut config: Config) -> Config {
+        if let Some(page) = config.page_size {
+            device.set_mapping_options(&config.mapping);
+            if let Ok(granularity) = device.mapping_granularity() {
+                config.page_size = Some(page.next_multiple_of(granularity));
+            }
+        }
+        config
     }
 
     pub fn device(&self) -> &D {
@@ -104,7 +132,8 @@ impl<D: Device> Pool<D> {
     #[inline]
     pub fn alloc_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
-        if !self.deferred.is_idle() {
+        // Asking whether the stream is being captured is itself a device call.
+        if !self.deferred.is_idle() || self.device.captures_graphs() {
             return Ok(None);
         }
         let rounded = self.heap.rules().round(size);
@@ -123,6 +152,7 @@ impl<D: Device> Pool<D> {
 
     fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
+        self.settle_captured_frees()?;
         let rounded = self.heap.rules().round(size);
         if !self.deferred.is_idle() {
             self.deferred.poll(&mut self.device, &mut self.heap, false)?;
@@ -199,6 +229,7 @@ impl<D: Device> Pool<D> {
     /// transiently, so that happens even if nothing was freed).
     pub fn alloc_on(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         Self::validate(size)?;
+        self.refuse_capture(stream)?;
         // More than the device or the pool's limit could ever hold: no cache flush can help, and
         // no bookkeeping is set up for it.
         let ceiling = self.growth.limit.into_iter().chain(self.device.memory_info().total).min();
@@ -269,7 +300,7 @@ impl<D: Device> Pool<D> {
             return self.take_found(id, size, rounded, stream);
         }
         self.collect_garbage()?;
-        let (address, segment_size) = self.allocate_segment(rounded)?;
+        let (address, segment_size) = self.allocate_segment(rounded, stream)?;
         self.note(HistoryAction::SegmentAlloc, address, segment_size, stream);
         let segment = self.heap.add_segment(address, segment_size, kind, stream);
         let handle = self.heap.take_segment(segment, size, stream);
@@ -302,6 +333,10 @@ impl<D: Device> Pool<D> {
     /// events recorded on them now; otherwise the device is not called, unless the release
     /// watermark gives memory back. An error means nothing changed: the handle is still live.
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
+        if self.used_by_capture(handle)? {
+            self.held_for_capture.push(handle);
+            return Ok(());
+        }
         let uses = self.heap.block(handle)?.uses;
         // Events first: if the device refuses one, the free has not happened and can be retried.
         let waits =
@@ -330,7 +365,8 @@ impl<D: Device> Pool<D> {
     /// first only then.
     pub fn free_calls_device(&self, handle: Handle) -> Result<bool, PoolError> {
         let block = self.heap.block(handle)?;
-        if block.has_uses() {
+        // Asking whether its streams are being captured is a device call too.
+        if block.has_uses() || self.device.captures_graphs() {
             return Ok(true);
         }
         let Some(threshold) = self.config.release_threshold else { return Ok(false) };
@@ -345,6 +381,28 @@ impl<D: Device> Pool<D> {
     pub fn block_of(&self, handle: Handle) -> Result<(u64, u64), PoolError> {
         let b = self.heap.block(handle)?;
         Ok((b.address, b.size))
+    }
+
+    /// Copies `data` into a live allocation at `offset`, ordered after the work queued on the
+    /// allocation's stream (where its users' work is, or was waited for).
+    pub fn write(&mut self, handle: Handle, offset: u64, data: &[u8]) -> Result<(), PoolError> {
+        let (address, stream) = self.copy_target(handle, offset, data.len())?;
+        Ok(self.device.write(stream, address, data)?)
+    }
+
+    /// Copies from a live allocation at `offset` into `out`, ordered as [`Pool::write`].
+    pub fn read(&self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), PoolError> {
+        let (address, stream) = self.copy_target(handle, offset, out.len())?;
+        Ok(self.device.read(stream, address, out)?)
+    }
+
+    /// Where a copy of `len` bytes at `offset` into an allocation goes, and on which stream.
+    fn copy_target(&self, handle: Handle, offset: u64, len: usize) -> Result<(u64, StreamId), PoolError> {
+        let b = self.heap.block(handle)?;
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= b.size => Ok((b.address + offset, b.stream)),
+            _ => Err(PoolError::Device(DeviceError::InvalidAddress(b.address.saturating_add(offset)))),
+        }
     }
 
     /// The stream a live allocation was made for.
@@ -373,11 +431,13 @@ impl<D: Device> Pool<D> {
                 self.device.unreserve(address)?;
                 pages.forget(address);
                 self.heap.remove_segment(sid);
+                self.heap.stats_mut().driver.unreserve += 1;
                 continue;
             }
             self.device.release(address)?;
             self.heap.remove_segment(sid);
             self.heap.stats_mut().num_device_free += 1;
+            self.heap.stats_mut().driver.free += 1;
             self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
             bytes += size;
         }

@@ -118,6 +118,7 @@ impl<D: Device> Pool<D> {
         self.device.release(address)?;
         self.heap.remove_segment(sid);
         self.heap.stats_mut().num_device_free += 1;
+        self.heap.stats_mut().driver.free += 1;
         self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
         Ok(size)
     }

@@ -37,7 +37,10 @@ impl<D: Device> Pool<D> {
     /// Marks a live allocation as used on `stream` too: freeing it will wait for that stream.
     pub fn record_stream(&mut self, handle: Handle, stream: StreamId) -> Result<(), PoolError> {
         let owner = self.heap.block(handle)?.stream;
-        self.device.query_stream(stream)?;
+        // Validates the stream; a capturing stream must not be queried (it would break the capture).
+        if !self.device.is_capturing(stream)? {
+            self.device.query_stream(stream)?;
+        }
         if stream != owner && !self.heap.mark_use(handle, stream)? {
             self.deferred.add_overflow_use(handle.index, stream);
         }
@@ -49,6 +52,7 @@ impl<D: Device> Pool<D> {
     /// become shared.
     pub fn synchronize(&mut self) -> Result<(), PoolError> {
         self.device.synchronize_device()?;
+        self.settle_captured_frees()?;
         // Pending blocks first: completing them frees blocks that the fences must then cover.
         self.deferred.poll(&mut self.device, &mut self.heap, true)?;
         if self.config.cross_stream_reuse != super::CrossStreamReuse::Never {

@@ -1,7 +1,8 @@
 //! Module functions about CUDA (`cuda_available`, `device_count`) and the private controls of
 //! the C ABI's process-wide pools (`gpupool.torch` and the tests use them).
 
-use super::error::value_error;
+use super::error::{pool_error, value_error};
+use super::pool::PyPool;
 use crate::capi::{self, Backend};
 use crate::pool::Config;
 use pyo3::exceptions::PyRuntimeError;
@@ -24,6 +25,29 @@ fn device_count(py: Python<'_>) -> usize {
         let _ = py;
         0
     }
+}
+
+/// `(free, total)` bytes of CUDA device `device` as the driver counts them (`cuMemGetInfo`,
+/// `torch.cuda.mem_get_info`): memory that pools cache counts as used.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn cuda_mem_get_info(py: Python<'_>, device: i32) -> PyResult<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    return py
+        .detach(|| crate::device::cuda::memory_figures(device))
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (py, device);
+        Err(PyRuntimeError::new_err("this gpupool was built without the 'cuda' feature"))
+    }
+}
+
+/// The CUDA IPC handle (64 bytes) of the allocation holding `address` in `pool`, and the offset
+/// of `address` in it: what Numba's `IpcHandle` carries to another process.
+#[pyfunction]
+fn _ipc_handle(py: Python<'_>, pool: &PyPool, address: u64) -> PyResult<(Vec<u8>, u64)> {
+    py.detach(|| pool.shared().lock_detached()?.device_mut().ipc_handle(address).map_err(|e| pool_error(e.into())))
 }
 
 fn cuda_usable() -> bool {
@@ -81,6 +105,8 @@ fn _capi_last_error() -> Option<String> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_mem_get_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_ipc_handle, m)?)?;
     m.add_function(wrap_pyfunction!(_capi_configure, m)?)?;
     m.add_function(wrap_pyfunction!(_capi_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(_capi_empty_cache, m)?)?;

@@ -11,7 +11,7 @@ use super::interop;
 use super::pool::{DevicePool, Shared};
 use super::stream::PyStream;
 use crate::core::Handle;
-use crate::device::{Device, StreamId};
+use crate::device::StreamId;
 use crate::pool::{Allocation, HeldBlock};
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
@@ -325,11 +325,12 @@ impl PyDevicePtr {
         if bytes.is_empty() {
             return self.check_live();
         }
+        let handle = self.handle.ok_or_else(|| value_error("an empty allocation holds no bytes"))?;
         py.detach(|| {
             // Checking `freed` under the pool lock orders it with a concurrent free.
             let mut pool = self.shared.lock_detached()?;
             self.check_live()?;
-            pool.device_mut().write(self.address + offset, &bytes).map_err(|e| value_error(e.to_string()))
+            pool.write(handle, offset, &bytes).map_err(|e| value_error(e.to_string()))
         })
     }
 
@@ -348,11 +349,12 @@ impl PyDevicePtr {
             if out.is_empty() {
                 return self.check_live();
             }
+            let handle = self.handle.ok_or_else(|| value_error("an empty allocation holds no bytes"))?;
             // `out` belongs to a bytes object no other thread can see yet.
             py.detach(|| {
                 let pool = self.shared.lock_detached()?;
                 self.check_live()?;
-                pool.device().read(self.address + offset, out).map_err(|e| value_error(e.to_string()))
+                pool.read(handle, offset, out).map_err(|e| value_error(e.to_string()))
             })
         })
     }

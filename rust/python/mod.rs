@@ -7,6 +7,8 @@ mod dlpack;
 mod error;
 mod export;
 mod interop;
+#[cfg(feature = "cuda")]
+mod ipc;
 mod pool;
 mod replay;
 mod stream;
@@ -28,6 +30,8 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfMemoryError", m.py().get_type::<error::OutOfMemoryError>())?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     cuda::register(m)?;
+    #[cfg(feature = "cuda")]
+    ipc::register(m)?;
     Ok(())
 }
 

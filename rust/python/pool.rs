@@ -111,6 +111,7 @@ fn settings_dict<'py>(py: Python<'py>, entries: Vec<(&'static str, Setting)>) ->
             Setting::Float(v) => dict.set_item(key, v)?,
             Setting::Bool(v) => dict.set_item(key, v)?,
             Setting::Unset => dict.set_item(key, py.None())?,
+            Setting::List(items) => dict.set_item(key, items)?,
             Setting::Divisions(pairs) => {
                 let divisions = PyDict::new(py);
                 for (mb, count) in pairs {
@@ -133,6 +134,11 @@ fn block_state(state: BlockState) -> &'static str {
 }
 
 impl PyPool {
+    /// What the pool's pointers share (for module functions that reach its device).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     fn stat(&self, py: Python<'_>, metric: Metric) -> PyResult<(u64, u64)> {
         let s = self.shared.lock(py)?.stats().get(metric, StatType::All);
         Ok((s.current, s.peak))

@@ -71,10 +71,17 @@ impl PyReplayResult {
         self.metrics.device_allocs
     }
 
-    /// Segment allocations and releases plus page maps and unmaps.
+    /// Driver calls that obtain or return memory, as the CUDA backend makes them.
     #[getter]
     fn device_calls(&self) -> u64 {
         self.metrics.device_calls
+    }
+
+    /// Those calls by kind: malloc, free, reserve, unreserve, create, map, set_access, unmap,
+    /// release.
+    #[getter]
+    fn driver_calls(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        self.metrics.driver_calls.entries().into_iter().collect()
     }
 
     #[getter]

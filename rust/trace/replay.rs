@@ -2,7 +2,7 @@
 //! pool packed them and the smallest device they fit on.
 
 use super::{Action, Trace};
-use crate::core::{Handle, Metric, StatType};
+use crate::core::{DriverCalls, Handle, Metric, StatType};
 use crate::device::{Device, Sim, StreamId};
 use crate::pool::{Config, Pool, PoolError, DEFAULT_STREAM};
 use std::time::Instant;
@@ -16,9 +16,11 @@ pub struct Metrics {
     pub peak_reserved_bytes: u64,
     /// Segments obtained from the device.
     pub device_allocs: u64,
-    /// Every call that obtains or returns device memory: segment allocations and releases, page
-    /// maps and unmaps (each costs microseconds on a GPU).
+    /// Driver calls that obtain or return device memory, as the CUDA backend makes them (each
+    /// costs microseconds on a GPU): [`Metrics::driver_calls`] summed.
     pub device_calls: u64,
+    /// Those calls by kind.
+    pub driver_calls: DriverCalls,
     /// Allocations attempted (the unit of `device_calls_per_1k_allocs`).
     pub allocations: u64,
     /// Allocations the pool could not serve: skipped, and their frees ignored.
@@ -121,7 +123,8 @@ pub fn replay<D: Device>(
         peak_live_bytes: stats.get(Metric::RequestedBytes, StatType::All).peak,
         peak_reserved_bytes: stats.get(Metric::ReservedBytes, StatType::All).peak,
         device_allocs: stats.num_device_alloc,
-        device_calls: stats.num_device_alloc + stats.num_device_free + stats.num_device_map + stats.num_device_unmap,
+        device_calls: stats.driver.total(),
+        driver_calls: stats.driver,
         allocations,
         ooms,
         seconds,

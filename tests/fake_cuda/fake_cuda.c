@@ -1,28 +1,45 @@
-/* A fake CUDA driver (libcuda) over host memory, for testing gpupool's cuda backend without a GPU.
+/* A strict fake CUDA driver (libcuda) over host memory, for testing gpupool's cuda backend without
+ * a GPU. It implements the driver calls gpupool makes and enforces the rules a real driver
+ * enforces, or leaves undefined, where gpupool could get them wrong:
+ *   - a current context per thread (calls that need one fail without it);
+ *   - per-stream queues: work runs in stream order, an event completes only when its stream
+ *     reaches it, cuStreamWaitEvent adds an edge, the legacy default stream waits for (and is
+ *     waited for by) blocking streams but not non-blocking ones;
+ *   - work enqueued by a test (fake_cuda_launch, a "kernel") stays queued until the test finishes
+ *     it (fake_cuda_complete) or a synchronizing call waits for it: that is when a stream is busy;
+ *   - a race check: when queued work touches device memory, no earlier-enqueued kernel on another
+ *     stream may still be pending on the same bytes, and memory may not be freed or unmapped under
+ *     a pending kernel; a kernel, when it runs, checks that its range is still backed by the
+ *     allocations it was given. Each breach is a violation (fake_cuda_violations);
+ *   - stream capture: queries and synchronization of a capturing stream, and unsafe calls
+ *     (synchronous allocation, copies, frees, mapping) during a global-mode capture, fail with
+ *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture;
+ *   - virtual memory: sizes and addresses aligned to the granularity the driver reports, mapping
+ *     only unmapped pages, cuMemUnmap of whole mappings only, access set on fully mapped ranges,
+ *     address ranges freed only when nothing in them is mapped, exports only of handles created
+ *     with that handle type.
+ * Nothing here is a measurement of a GPU.
  *
- * It implements the driver calls gpupool makes, with the checks a real driver makes where gpupool
- * could get them wrong: a current context on the calling thread, live handles, copies inside live
- * memory, page-aligned virtual memory calls. Nothing here is a measurement of a GPU.
- *
- * Built by the test suite (tests/cuda_fake.py) as libcuda.so / libcuda.so.1 and found by cudarc's
- * ordinary dynamic loading. Switches, read from the environment at each call:
+ * Built by the test suites (tests/fake_driver.py, tests/cuda_fake.rs) as libcuda.so(.1) and found
+ * by cudarc's ordinary dynamic loading. Switches, read from the environment at each call:
  *   FAKE_CUDA_DRIVER_VERSION   what cuDriverGetVersion reports (default 13000, CUDA 13.0)
  *   FAKE_CUDA_DEVICE_COUNT     devices (default 1)
  *   FAKE_CUDA_MEMORY           bytes per device (default 1 GiB); beyond it allocations fail
- *                              with CUDA_ERROR_OUT_OF_MEMORY
  *   FAKE_CUDA_INIT_ERROR       a status cuInit returns instead of success (e.g. 100, no device)
- *   FAKE_CUDA_PENDING_QUERIES  how many queries an event stays not ready after it is recorded
- *                              (default 0); synchronizing completes it at once
- * A missing symbol is made at build time, by hiding it with a linker version script.
- * `fake_cuda_calls(name)` counts the calls made to one driver function, for tests to inspect. */
+ *   FAKE_CUDA_GRANULARITY      the mapping granularity (default 2 MiB)
+ *   FAKE_CUDA_FAIL_UNMAP       fail the Nth cuMemUnmap from now on (1 = the next one)
+ * A missing symbol is made at build time, by hiding it with a linker version script. */
 
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -39,36 +56,78 @@ enum {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
 };
 
-#define GRANULARITY ((size_t)2 << 20)
 #define MAX_DEVICES 8
-#define MAX_ITEMS 65536
+#define MAX_ITEMS 4096
+#define MAX_DEPS 64
+#define LEGACY ((struct stream *)&legacy)
 
-/* The driver's objects. Handles given out are pointers to these; every handle passed in is
- * looked up in a registry before use, so a stale or made-up handle is an error, not a crash. */
+/* ---- the driver's objects ----
+ * Handles given out are pointers to these; every handle passed in is looked up in a registry
+ * before use, so a stale or made-up handle is an error, not a crash. */
+
 struct context { int device; int retains; };
-struct stream { int live; };
-struct event { int live; struct stream *stream; int pending; };
-struct allocation { uintptr_t address; size_t size; int device; };
-struct physical { size_t size; int device; uintptr_t mapped_at; int released; };
-struct reservation { uintptr_t base; size_t size; unsigned char *mapped; unsigned char *accessible; };
+
+/* An operation queued on a stream. It runs when it is at the front of its stream and every
+ * dependency (stream, sequence number) has completed; a kernel also waits to be finished. */
+enum op_kind { OP_MARK, OP_KERNEL, OP_COPY, OP_FREE };
+struct dependency { struct stream *stream; unsigned long long seq; };
+struct op {
+    enum op_kind kind;
+    unsigned long long order; /* global enqueue order, for the race check */
+    uintptr_t address;
+    size_t size;
+    int held;                               /* kernels: waiting for the test or a synchronize */
+    unsigned char tag;                      /* kernels: the byte they write */
+    unsigned long long *backing;            /* kernels: serial of the memory under each page */
+    void *host;                             /* copies: the host side */
+    int to_device;
+    int ndeps;
+    struct dependency deps[MAX_DEPS];
+    struct op *next;
+};
+
+struct stream {
+    int live;
+    unsigned int flags; /* 1: non-blocking (no implicit order with the legacy stream) */
+    unsigned long long enqueued, completed;
+    struct op *head, *tail;
+    int capturing, capture_global, capture_invalid;
+};
+
+struct event { int live; struct stream *stream; unsigned long long seq; int captured; };
+struct allocation { uintptr_t address; size_t size; int device; unsigned long long serial; };
+struct physical { size_t size; int device; int mappings; int released; int retains; unsigned int handle_types; };
+struct mapping { uintptr_t address; size_t size; struct physical *physical; unsigned long long serial; };
+struct reservation { uintptr_t base; size_t size; unsigned char *accessible; };
+struct mempool { int device; unsigned long long release_threshold; };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
 static struct context contexts[MAX_DEVICES];
+static struct mempool mempools[MAX_DEVICES];
 static size_t used[MAX_DEVICES];
 static __thread struct context *current;
+static struct stream legacy = {1, 0, 0, 0, NULL, NULL, 0, 0, 0};
 
 static struct allocation allocations[MAX_ITEMS];
 static int allocation_count;
+static struct mapping mappings[MAX_ITEMS];
+static int mapping_count;
 static struct stream *streams[MAX_ITEMS];
 static struct event *events[MAX_ITEMS];
 static struct physical *physicals[MAX_ITEMS];
 static struct reservation reservations[256];
+/* Exported allocations, by the inode of the descriptor that stands for each. */
+static struct { ino_t inode; struct physical *physical; } exports[MAX_ITEMS];
 static int reservation_count;
+static unsigned long long next_serial = 1, next_order = 1;
+static int global_captures;
 
-/* ---- switches and call counters ---- */
+/* ---- switches, call counters, violations ---- */
 
 static long long env_number(const char *name, long long fallback) {
     const char *text = getenv(name);
@@ -77,12 +136,13 @@ static long long env_number(const char *name, long long fallback) {
 
 static int device_count(void) { return (int)env_number("FAKE_CUDA_DEVICE_COUNT", 1); }
 static size_t device_memory(void) { return (size_t)env_number("FAKE_CUDA_MEMORY", 1LL << 30); }
+static size_t granularity(void) { return (size_t)env_number("FAKE_CUDA_GRANULARITY", 2LL << 20); }
 
 struct counter { const char *name; unsigned long long calls; };
-static struct counter counters[64];
+static struct counter counters[128];
 
 static void count(const char *name) {
-    for (int i = 0; i < 64; i++) {
+    for (int i = 0; i < 128; i++) {
         if (!counters[i].name) counters[i].name = name;
         if (counters[i].name == name || strcmp(counters[i].name, name) == 0) {
             counters[i].calls++;
@@ -94,11 +154,25 @@ static void count(const char *name) {
 unsigned long long fake_cuda_calls(const char *name) {
     pthread_mutex_lock(&lock);
     unsigned long long calls = 0;
-    for (int i = 0; i < 64 && counters[i].name; i++)
+    for (int i = 0; i < 128 && counters[i].name; i++)
         if (strcmp(counters[i].name, name) == 0) calls = counters[i].calls;
     pthread_mutex_unlock(&lock);
     return calls;
 }
+
+static unsigned long long violation_count;
+static char last_violation[512];
+
+static void violation(const char *what, uintptr_t address, size_t size) {
+    violation_count++;
+    snprintf(last_violation, sizeof last_violation, "%s at [%#lx, %#lx)", what, (unsigned long)address,
+             (unsigned long)(address + size));
+    fprintf(stderr, "fake_cuda: violation: %s\n", last_violation);
+}
+
+/* How many ordering or lifetime rules were broken so far, and the latest one in words. */
+unsigned long long fake_cuda_violations(void) { return violation_count; }
+const char *fake_cuda_last_violation(void) { return last_violation; }
 
 /* Every driver entry point: count it, take the lock, require cuInit (and a context) first. */
 #define ENTER(need_context)                                                    \
@@ -125,14 +199,25 @@ static int find(void **table, const void *item) {
     return -1;
 }
 
-/* The legacy (0x0, 0x1) and per-thread (0x2) default streams always exist. */
-static int stream_ok(struct stream *s) {
-    return (uintptr_t)s <= 2 || find((void **)streams, s) >= 0;
+/* Handles 0x0 and 0x1 (legacy) and 0x2 (per-thread, treated alike here) are the default stream. */
+static struct stream *stream_of(void *handle) {
+    if ((uintptr_t)handle <= 2) return LEGACY;
+    return find((void **)streams, handle) >= 0 ? handle : NULL;
 }
 
-static struct allocation *allocation_at(uintptr_t address) {
-    for (int i = 0; i < allocation_count; i++)
-        if (allocations[i].address == address) return &allocations[i];
+static struct allocation *allocation_holding(uintptr_t address) {
+    for (int i = 0; i < allocation_count; i++) {
+        struct allocation *a = &allocations[i];
+        if (a->address <= address && address < a->address + a->size) return a;
+    }
+    return NULL;
+}
+
+static struct mapping *mapping_holding(uintptr_t address) {
+    for (int i = 0; i < mapping_count; i++) {
+        struct mapping *m = &mappings[i];
+        if (m->address <= address && address < m->address + m->size) return m;
+    }
     return NULL;
 }
 
@@ -144,16 +229,23 @@ static struct reservation *reservation_holding(uintptr_t address) {
     return NULL;
 }
 
-/* Whether [address, address + size) is device memory that may be copied to or from. */
-static int range_ok(uintptr_t address, size_t size) {
-    for (int i = 0; i < allocation_count; i++) {
-        struct allocation *a = &allocations[i];
-        if (a->address <= address && address + size <= a->address + a->size) return 1;
-    }
+/* The serial of the memory behind `address` (0: none, or not accessible). */
+static unsigned long long serial_at(uintptr_t address) {
+    struct allocation *a = allocation_holding(address);
+    if (a) return a->serial;
+    struct mapping *m = mapping_holding(address);
     struct reservation *r = reservation_holding(address);
-    if (!r || address + size > r->base + r->size) return 0;
-    for (uintptr_t page = (address - r->base) / GRANULARITY; page * GRANULARITY < address + size - r->base; page++)
-        if (!r->accessible[page]) return 0;
+    if (!m || !r || !r->accessible[(address - r->base) / granularity()]) return 0;
+    return m->serial;
+}
+
+/* Whether [address, address + size) is device memory that may be touched, page by page. */
+static int range_ok(uintptr_t address, size_t size) {
+    if (size == 0) return 0;
+    struct allocation *a = allocation_holding(address);
+    if (a) return address + size <= a->address + a->size;
+    for (uintptr_t p = address; p < address + size; p = (p / granularity() + 1) * granularity())
+        if (!serial_at(p)) return 0;
     return 1;
 }
 
@@ -161,6 +253,178 @@ static CUresult reserve_memory(int device, size_t size) {
     if (used[device] + size > device_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
     used[device] += size;
     return CUDA_SUCCESS;
+}
+
+/* ---- stream queues ---- */
+
+static int overlaps(const struct op *op, uintptr_t address, size_t size) {
+    return op->size && op->address < address + size && address < op->address + op->size;
+}
+
+/* A pending kernel (on any stream but `self`) enqueued before `order` that touches the range. */
+static int kernel_pending_on(uintptr_t address, size_t size, unsigned long long order, struct stream *self) {
+    struct stream *all[MAX_ITEMS + 1];
+    int n = 0;
+    all[n++] = LEGACY;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i]) all[n++] = streams[i];
+    for (int i = 0; i < n; i++) {
+        if (all[i] == self) continue;
+        for (struct op *op = all[i]->head; op; op = op->next)
+            if (op->kind == OP_KERNEL && op->order < order && overlaps(op, address, size)) return 1;
+    }
+    return 0;
+}
+
+static int deps_done(const struct op *op) {
+    for (int i = 0; i < op->ndeps; i++)
+        if (op->deps[i].stream->completed < op->deps[i].seq) return 0;
+    return 1;
+}
+
+static CUresult release_range(uintptr_t address);
+
+/* Runs the front operation of `s` (which must be runnable). */
+static void run_front(struct stream *s) {
+    struct op *op = s->head;
+    if (op->size && kernel_pending_on(op->address, op->size, op->order, s))
+        violation("work ran while an earlier kernel on another stream still used the bytes", op->address, op->size);
+    switch (op->kind) {
+    case OP_KERNEL: {
+        size_t g = granularity();
+        for (uintptr_t p = op->address, i = 0; p < op->address + op->size; p = (p / g + 1) * g, i++)
+            if (serial_at(p) != op->backing[i]) {
+                violation("a kernel ran on memory no longer backed by the allocation it was given", op->address,
+                          op->size);
+                goto done;
+            }
+        memset((void *)op->address, op->tag, op->size);
+        break;
+    }
+    case OP_COPY:
+        if (!range_ok(op->address, op->size)) violation("a copy ran on unbacked memory", op->address, op->size);
+        else if (op->to_device) memcpy((void *)op->address, op->host, op->size);
+        else memcpy(op->host, (void *)op->address, op->size);
+        break;
+    case OP_FREE: release_range(op->address); break;
+    case OP_MARK: break;
+    }
+done:
+    s->head = op->next;
+    if (!s->head) s->tail = NULL;
+    s->completed++;
+    free(op->backing);
+    free(op);
+}
+
+/* Runs whatever can run without anyone waiting: everything but kernels not yet finished. */
+static void advance(void) {
+    for (int progress = 1; progress;) {
+        progress = 0;
+        struct stream *s = LEGACY;
+        for (int i = -1; i < MAX_ITEMS; i++, s = i < MAX_ITEMS ? streams[i] : NULL) {
+            while (s && s->head && !(s->head->kind == OP_KERNEL && s->head->held) && deps_done(s->head)) {
+                run_front(s);
+                progress = 1;
+            }
+        }
+    }
+}
+
+/* Blocks (in fake time) until `s` has completed `seq` operations: finishes whatever is in the way. */
+static void run_until(struct stream *s, unsigned long long seq) {
+    while (s->completed < seq) {
+        struct op *op = s->head;
+        for (int i = 0; i < op->ndeps; i++) run_until(op->deps[i].stream, op->deps[i].seq);
+        op->held = 0;
+        run_front(s);
+    }
+    advance();
+}
+
+static void add_dependency(struct op *op, struct stream *s, unsigned long long seq) {
+    if (op->ndeps < MAX_DEPS && s->completed < seq) op->deps[op->ndeps++] = (struct dependency){s, seq};
+}
+
+/* Queues `op` on `s`, with the legacy stream's implicit ordering; returns its sequence number.
+ * On a capturing stream the work goes into the graph instead, and never runs here. */
+static unsigned long long enqueue(struct stream *s, struct op *op) {
+    if (s->capturing) {
+        free(op->backing);
+        free(op);
+        return 0;
+    }
+    op->order = next_order++;
+    if (s == LEGACY) {
+        for (int i = 0; i < MAX_ITEMS; i++)
+            if (streams[i] && !(streams[i]->flags & 1)) add_dependency(op, streams[i], streams[i]->enqueued);
+    } else if (!(s->flags & 1)) {
+        add_dependency(op, LEGACY, LEGACY->enqueued);
+    }
+    if (s->tail) s->tail->next = op;
+    else s->head = op;
+    s->tail = op;
+    s->enqueued++;
+    return s->enqueued;
+}
+
+static struct op *new_op(enum op_kind kind, uintptr_t address, size_t size) {
+    struct op *op = calloc(1, sizeof *op);
+    op->kind = kind;
+    op->address = address;
+    op->size = size;
+    return op;
+}
+
+static void invalidate_capture(struct stream *s) {
+    if (s->capturing) s->capture_invalid = 1;
+}
+
+/* Unsafe calls during a global-mode capture invalidate it (cudaStreamCaptureModeGlobal). */
+static int capture_forbids_unsafe_calls(void) {
+    if (!global_captures) return 0;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i] && streams[i]->capturing && streams[i]->capture_global) invalidate_capture(streams[i]);
+    return 1;
+}
+
+/* ---- test controls ---- */
+
+/* Queues a kernel on `stream` that writes `tag` over [address, address + size) when it runs. It
+ * runs only once fake_cuda_complete finishes it or a synchronizing call waits for it; then it
+ * checks that the range is still backed by the memory it was launched on. */
+CUresult fake_cuda_launch(void *stream, CUdeviceptr address, size_t size, unsigned char tag) {
+    ENTER(1);
+    struct stream *s = stream_of(stream);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!range_ok(address, size)) FAIL(CUDA_ERROR_INVALID_VALUE);
+    struct op *op = new_op(OP_KERNEL, address, size);
+    op->held = 1;
+    op->tag = tag;
+    size_t g = granularity(), pages = size / g + 2, i = 0;
+    op->backing = calloc(pages, sizeof *op->backing);
+    for (uintptr_t p = address; p < address + size; p = (p / g + 1) * g) op->backing[i++] = serial_at(p);
+    enqueue(s, op);
+    LEAVE;
+}
+
+/* Finishes every kernel queued on `stream` so far (and whatever then can run). */
+CUresult fake_cuda_complete(void *stream) {
+    ENTER(0);
+    struct stream *s = stream_of(stream);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    for (struct op *op = s->head; op; op = op->next) op->held = 0;
+    advance();
+    LEAVE;
+}
+
+/* Operations queued on `stream` that have not run. */
+unsigned long long fake_cuda_pending(void *stream) {
+    pthread_mutex_lock(&lock);
+    struct stream *s = stream_of(stream);
+    unsigned long long pending = s ? s->enqueued - s->completed : 0;
+    pthread_mutex_unlock(&lock);
+    return pending;
 }
 
 /* ---- initialization, devices, contexts ---- */
@@ -191,18 +455,28 @@ CUresult cuDeviceGetCount(int *n) {
     LEAVE;
 }
 
+static int device_ok(CUdevice device) { return device >= 0 && device < device_count() && device < MAX_DEVICES; }
+
 CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     ENTER(0);
     if (!device) FAIL(CUDA_ERROR_INVALID_VALUE);
-    if (ordinal < 0 || ordinal >= device_count() || ordinal >= MAX_DEVICES) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    if (!device_ok(ordinal)) FAIL(CUDA_ERROR_INVALID_DEVICE);
     *device = ordinal;
+    LEAVE;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice device, CUdevice peer) {
+    ENTER(0);
+    if (!can) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (!device_ok(device) || !device_ok(peer)) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    *can = device != peer;
     LEAVE;
 }
 
 CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice device) {
     ENTER(0);
     if (!ctx) FAIL(CUDA_ERROR_INVALID_VALUE);
-    if (device < 0 || device >= device_count() || device >= MAX_DEVICES) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    if (!device_ok(device)) FAIL(CUDA_ERROR_INVALID_DEVICE);
     contexts[device].device = device;
     contexts[device].retains++;
     *ctx = &contexts[device];
@@ -231,6 +505,19 @@ CUresult cuCtxSetCurrent(void *ctx) {
     LEAVE;
 }
 
+static void synchronize_all(void) {
+    run_until(LEGACY, LEGACY->enqueued);
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i]) run_until(streams[i], streams[i]->enqueued);
+}
+
+CUresult cuCtxSynchronize(void) {
+    ENTER(1);
+    if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    synchronize_all();
+    LEAVE;
+}
+
 /* ---- memory ---- */
 
 static CUresult allocate(CUdeviceptr *out, size_t size) {
@@ -243,14 +530,14 @@ static CUresult allocate(CUdeviceptr *out, size_t size) {
         used[current->device] -= size;
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    allocations[allocation_count++] = (struct allocation){(uintptr_t)memory, size, current->device};
+    allocations[allocation_count++] = (struct allocation){(uintptr_t)memory, size, current->device, next_serial++};
     *out = (CUdeviceptr)(uintptr_t)memory;
     return CUDA_SUCCESS;
 }
 
-static CUresult release(CUdeviceptr address) {
-    struct allocation *a = allocation_at((uintptr_t)address);
-    if (!a) return CUDA_ERROR_INVALID_VALUE;
+static CUresult release_range(uintptr_t address) {
+    struct allocation *a = allocation_holding(address);
+    if (!a || a->address != address) return CUDA_ERROR_INVALID_VALUE;
     used[a->device] -= a->size;
     free((void *)a->address);
     *a = allocations[--allocation_count];
@@ -259,27 +546,64 @@ static CUresult release(CUdeviceptr address) {
 
 CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t size) {
     ENTER(1);
+    if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     status = allocate(out, size);
     LEAVE;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr address) {
     ENTER(1);
-    status = release(address);
+    if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    /* The driver waits for queued work before freeing (cudaFree synchronizes); so does the fake. */
+    synchronize_all();
+    status = release_range(address);
     LEAVE;
 }
 
-CUresult cuMemAllocAsync(CUdeviceptr *out, size_t size, struct stream *stream) {
+/* Stream-ordered allocation: the memory exists at once (usable in stream order); a stream-ordered
+ * free returns it when the stream reaches the free. */
+CUresult cuMemAllocAsync(CUdeviceptr *out, size_t size, void *stream) {
     ENTER(1);
-    if (!stream_ok(stream)) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    struct stream *s = stream_of(stream);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
     status = allocate(out, size);
     LEAVE;
 }
 
-CUresult cuMemFreeAsync(CUdeviceptr address, struct stream *stream) {
+CUresult cuMemFreeAsync(CUdeviceptr address, void *stream) {
     ENTER(1);
-    if (!stream_ok(stream)) FAIL(CUDA_ERROR_INVALID_HANDLE);
-    status = release(address);
+    struct stream *s = stream_of(stream);
+    struct allocation *a = allocation_holding(address);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!a || a->address != address) FAIL(CUDA_ERROR_INVALID_VALUE);
+    enqueue(s, new_op(OP_FREE, address, a->size));
+    advance();
+    LEAVE;
+}
+
+CUresult cuDeviceGetDefaultMemPool(struct mempool **pool, CUdevice device) {
+    ENTER(0);
+    if (!pool) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (!device_ok(device)) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    mempools[device].device = device;
+    *pool = &mempools[device];
+    LEAVE;
+}
+
+static int mempool_ok(struct mempool *pool) { return pool >= mempools && pool < mempools + MAX_DEVICES; }
+
+/* Only CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (4) is modelled. */
+CUresult cuMemPoolSetAttribute(struct mempool *pool, int attribute, void *value) {
+    ENTER(0);
+    if (!mempool_ok(pool) || attribute != 4 || !value) FAIL(CUDA_ERROR_INVALID_VALUE);
+    pool->release_threshold = *(unsigned long long *)value;
+    LEAVE;
+}
+
+CUresult cuMemPoolGetAttribute(struct mempool *pool, int attribute, void *value) {
+    ENTER(0);
+    if (!mempool_ok(pool) || attribute != 4 || !value) FAIL(CUDA_ERROR_INVALID_VALUE);
+    *(unsigned long long *)value = pool->release_threshold;
     LEAVE;
 }
 
@@ -291,17 +615,61 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     LEAVE;
 }
 
+/* Synchronous copies run on the legacy stream: after blocking streams' work, not non-blocking. */
+static CUresult copy_now(uintptr_t device, void *host, size_t size, int to_device) {
+    if (!host || !range_ok(device, size)) return CUDA_ERROR_INVALID_VALUE;
+    if (capture_forbids_unsafe_calls()) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    struct op *op = new_op(OP_COPY, device, size);
+    op->host = host;
+    op->to_device = to_device;
+    run_until(LEGACY, enqueue(LEGACY, op));
+    return CUDA_SUCCESS;
+}
+
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t size) {
     ENTER(1);
-    if (!src || !range_ok((uintptr_t)dst, size)) FAIL(CUDA_ERROR_INVALID_VALUE);
-    memcpy((void *)(uintptr_t)dst, src, size);
+    status = copy_now(dst, (void *)src, size, 1);
     LEAVE;
 }
 
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t size) {
     ENTER(1);
-    if (!dst || !range_ok((uintptr_t)src, size)) FAIL(CUDA_ERROR_INVALID_VALUE);
-    memcpy(dst, (const void *)(uintptr_t)src, size);
+    status = copy_now(src, dst, size, 0);
+    LEAVE;
+}
+
+static CUresult copy_async(uintptr_t device, void *host, size_t size, int to_device, void *stream) {
+    struct stream *s = stream_of(stream);
+    if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    if (!host || !range_ok(device, size)) return CUDA_ERROR_INVALID_VALUE;
+    struct op *op = new_op(OP_COPY, device, size);
+    op->host = host;
+    op->to_device = to_device;
+    enqueue(s, op);
+    advance();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t size, void *stream) {
+    ENTER(1);
+    status = copy_async(dst, (void *)src, size, 1, stream);
+    LEAVE;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t size, void *stream) {
+    ENTER(1);
+    status = copy_async(src, dst, size, 0, stream);
+    LEAVE;
+}
+
+/* The handle another process opens with cuIpcOpenMemHandle: here, the allocation's address. */
+CUresult cuIpcGetMemHandle(unsigned char handle[64], CUdeviceptr address) {
+    ENTER(1);
+    struct allocation *a = allocation_holding(address);
+    if (!handle || !a || a->address != address) FAIL(CUDA_ERROR_INVALID_VALUE);
+    memset(handle, 0, 64);
+    memcpy(handle, "fakeipc", 7);
+    memcpy(handle + 8, &a->address, sizeof a->address);
     LEAVE;
 }
 
@@ -313,14 +681,31 @@ CUresult cuStreamCreate(struct stream **out, unsigned int flags) {
     struct stream *s = calloc(1, sizeof *s);
     if (!s || !add((void **)streams, s)) { free(s); FAIL(CUDA_ERROR_OUT_OF_MEMORY); }
     s->live = 1;
+    s->flags = flags;
     *out = s;
     LEAVE;
 }
 
+/* Drops every dependency on `s`, which has completed everything queued on it. */
+static void forget_dependencies_on(struct stream *s) {
+    struct stream *all[MAX_ITEMS + 1] = {LEGACY};
+    int n = 1;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i]) all[n++] = streams[i];
+    for (int i = 0; i < n; i++)
+        for (struct op *op = all[i]->head; op; op = op->next)
+            for (int d = 0; d < op->ndeps;)
+                if (op->deps[d].stream == s) op->deps[d] = op->deps[--op->ndeps];
+                else d++;
+}
+
+/* As the driver does, a destroyed stream's queued work still runs (here: at once). */
 CUresult cuStreamDestroy_v2(struct stream *s) {
     ENTER(1);
     int i = find((void **)streams, s);
     if (i < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    run_until(s, s->enqueued);
+    forget_dependencies_on(s);
     streams[i] = NULL;
     for (int e = 0; e < MAX_ITEMS; e++)
         if (events[e] && events[e]->stream == s) events[e]->stream = NULL;
@@ -328,43 +713,70 @@ CUresult cuStreamDestroy_v2(struct stream *s) {
     LEAVE;
 }
 
-/* A stream is busy while an event recorded on it is pending. */
-static int stream_busy(struct stream *s) {
-    for (int e = 0; e < MAX_ITEMS; e++)
-        if (events[e] && events[e]->stream == s && events[e]->pending > 0) return 1;
-    return 0;
-}
-
-CUresult cuStreamQuery(struct stream *s) {
+CUresult cuStreamQuery(void *handle) {
     ENTER(1);
-    if (!stream_ok(s)) FAIL(CUDA_ERROR_INVALID_HANDLE);
-    if (stream_busy(s)) {
-        for (int e = 0; e < MAX_ITEMS; e++)
-            if (events[e] && events[e]->stream == s && events[e]->pending > 0) events[e]->pending--;
-        FAIL(CUDA_ERROR_NOT_READY);
-    }
+    struct stream *s = stream_of(handle);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (s->capturing) { invalidate_capture(s); FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); }
+    advance();
+    if (s->completed < s->enqueued) FAIL(CUDA_ERROR_NOT_READY);
     LEAVE;
 }
 
-CUresult cuStreamSynchronize(struct stream *s) {
+CUresult cuStreamSynchronize(void *handle) {
     ENTER(1);
-    if (!stream_ok(s)) FAIL(CUDA_ERROR_INVALID_HANDLE);
-    for (int e = 0; e < MAX_ITEMS; e++)
-        if (events[e] && events[e]->stream == s) events[e]->pending = 0;
+    struct stream *s = stream_of(handle);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (s->capturing) { invalidate_capture(s); FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); }
+    run_until(s, s->enqueued);
     LEAVE;
 }
 
-CUresult cuCtxSynchronize(void) {
+CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
     ENTER(1);
-    for (int e = 0; e < MAX_ITEMS; e++)
-        if (events[e]) events[e]->pending = 0;
-    LEAVE;
-}
-
-CUresult cuStreamWaitEvent(struct stream *s, struct event *e, unsigned int flags) {
-    ENTER(1);
-    if (!stream_ok(s) || find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    struct stream *s = stream_of(handle);
+    if (!s || find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (flags != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
+    struct op *op = new_op(OP_MARK, 0, 0);
+    if (e->stream) add_dependency(op, e->stream, e->seq);
+    enqueue(s, op);
+    advance();
+    LEAVE;
+}
+
+/* cudaStreamBeginCapture: mode 0 is global (the default), 1 thread-local, 2 relaxed. */
+CUresult cuStreamBeginCapture_v2(void *handle, int mode) {
+    ENTER(1);
+    struct stream *s = stream_of(handle);
+    if (!s || s == LEGACY) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (s->capturing || mode < 0 || mode > 2) FAIL(CUDA_ERROR_INVALID_VALUE);
+    s->capturing = 1;
+    s->capture_invalid = 0;
+    s->capture_global = mode == 0;
+    global_captures += mode == 0;
+    LEAVE;
+}
+
+/* Ends a capture; the "graph" is the stream handle (enough for tests: cuGraphDestroy is not needed). */
+CUresult cuStreamEndCapture(void *handle, void **graph) {
+    ENTER(1);
+    struct stream *s = stream_of(handle);
+    if (!s || !graph) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (!s->capturing) FAIL(CUDA_ERROR_INVALID_VALUE);
+    global_captures -= s->capture_global;
+    s->capturing = s->capture_global = 0;
+    *graph = s->capture_invalid ? NULL : handle;
+    if (s->capture_invalid) FAIL(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    LEAVE;
+}
+
+/* Status: 0 none, 1 active, 2 invalidated. */
+CUresult cuStreamIsCapturing(void *handle, int *capture_status) {
+    ENTER(1);
+    struct stream *s = stream_of(handle);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!capture_status) FAIL(CUDA_ERROR_INVALID_VALUE);
+    *capture_status = s->capturing ? (s->capture_invalid ? 2 : 1) : 0;
     LEAVE;
 }
 
@@ -378,28 +790,38 @@ CUresult cuEventCreate(struct event **out, unsigned int flags) {
     LEAVE;
 }
 
-CUresult cuEventRecord(struct event *e, struct stream *s) {
+/* An event records the current end of a stream's queue; on a capturing stream it becomes a graph
+ * node that cannot be queried or waited for from the host. */
+CUresult cuEventRecord(struct event *e, void *handle) {
     ENTER(1);
-    if (find((void **)events, e) < 0 || !stream_ok(s)) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    struct stream *s = stream_of(handle);
+    if (find((void **)events, e) < 0 || !s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    e->captured = s->capturing;
     e->stream = s;
-    e->pending = (int)env_number("FAKE_CUDA_PENDING_QUERIES", 0);
+    e->seq = s->capturing ? 0 : enqueue(s, new_op(OP_MARK, 0, 0));
+    advance();
     LEAVE;
+}
+
+static CUresult captured_event(struct event *e) {
+    if (e->stream) invalidate_capture(e->stream);
+    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
 }
 
 CUresult cuEventQuery(struct event *e) {
     ENTER(1);
     if (find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
-    if (e->pending > 0) {
-        e->pending--;
-        FAIL(CUDA_ERROR_NOT_READY);
-    }
+    if (e->captured) FAIL(captured_event(e));
+    advance();
+    if (e->stream && e->stream->completed < e->seq) FAIL(CUDA_ERROR_NOT_READY);
     LEAVE;
 }
 
 CUresult cuEventSynchronize(struct event *e) {
     ENTER(1);
     if (find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
-    e->pending = 0;
+    if (e->captured) FAIL(captured_event(e));
+    if (e->stream) run_until(e->stream, e->seq);
     LEAVE;
 }
 
@@ -426,13 +848,15 @@ struct access_desc { struct location location; unsigned int flags; };
 
 static int prop_ok(const struct allocation_prop *prop) {
     return prop && prop->type == 1 /* pinned */ && prop->location.type == 1 /* device */ &&
-           prop->location.id >= 0 && prop->location.id < device_count();
+           device_ok(prop->location.id) && prop->handle_types <= 1 /* none or POSIX fd */;
 }
 
-CUresult cuMemGetAllocationGranularity(size_t *granularity, const struct allocation_prop *prop, int option) {
+static int aligned(uintptr_t value) { return value % granularity() == 0; }
+
+CUresult cuMemGetAllocationGranularity(size_t *out, const struct allocation_prop *prop, int option) {
     ENTER(0);
-    if (!granularity || !prop_ok(prop) || option < 0 || option > 1) FAIL(CUDA_ERROR_INVALID_VALUE);
-    *granularity = GRANULARITY;
+    if (!out || !prop_ok(prop) || option < 0 || option > 1) FAIL(CUDA_ERROR_INVALID_VALUE);
+    *out = granularity();
     LEAVE;
 }
 
@@ -440,28 +864,31 @@ CUresult cuMemAddressReserve(CUdeviceptr *out, size_t size, size_t alignment, CU
                              unsigned long long flags) {
     ENTER(1);
     (void)hint;
-    if (!out || size == 0 || size % GRANULARITY || alignment % GRANULARITY || flags) FAIL(CUDA_ERROR_INVALID_VALUE);
+    size_t g = granularity();
+    if (!out || size == 0 || !aligned(size) || !aligned(alignment) || flags) FAIL(CUDA_ERROR_INVALID_VALUE);
     if (reservation_count == 256) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
-    /* Over-reserve by one page so the base can be page-aligned, as the driver's are. */
-    unsigned char *raw = mmap(NULL, size + GRANULARITY, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    /* Over-reserve by one granule so the base can be aligned, as the driver's are. */
+    unsigned char *raw = mmap(NULL, size + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (raw == MAP_FAILED) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
-    uintptr_t base = ((uintptr_t)raw + GRANULARITY - 1) & ~(GRANULARITY - 1);
+    uintptr_t base = ((uintptr_t)raw + g - 1) / g * g;
     if (base > (uintptr_t)raw) munmap(raw, base - (uintptr_t)raw);
-    munmap((void *)(base + size), (uintptr_t)raw + GRANULARITY - base);
-    size_t pages = size / GRANULARITY;
-    reservations[reservation_count++] = (struct reservation){base, size, calloc(pages, 1), calloc(pages, 1)};
+    munmap((void *)(base + size), (uintptr_t)raw + g - base);
+    reservations[reservation_count++] = (struct reservation){base, size, calloc(size / g, 1)};
     *out = base;
     LEAVE;
+}
+
+static int mapped_within(uintptr_t address, size_t size) {
+    for (int i = 0; i < mapping_count; i++)
+        if (mappings[i].address < address + size && address < mappings[i].address + mappings[i].size) return 1;
+    return 0;
 }
 
 CUresult cuMemAddressFree(CUdeviceptr base, size_t size) {
     ENTER(1);
     struct reservation *r = reservation_holding((uintptr_t)base);
-    if (!r || r->base != base || r->size != size) FAIL(CUDA_ERROR_INVALID_VALUE);
-    for (size_t page = 0; page < size / GRANULARITY; page++)
-        if (r->mapped[page]) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (!r || r->base != base || r->size != size || mapped_within(base, size)) FAIL(CUDA_ERROR_INVALID_VALUE);
     munmap((void *)r->base, r->size);
-    free(r->mapped);
     free(r->accessible);
     *r = reservations[--reservation_count];
     LEAVE;
@@ -470,90 +897,157 @@ CUresult cuMemAddressFree(CUdeviceptr base, size_t size) {
 CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const struct allocation_prop *prop,
                      unsigned long long flags) {
     ENTER(1);
-    if (!out || size == 0 || size % GRANULARITY || !prop_ok(prop) || flags) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    if (!out || size == 0 || !aligned(size) || !prop_ok(prop) || flags) FAIL(CUDA_ERROR_INVALID_VALUE);
     status = reserve_memory(prop->location.id, size);
     if (status != CUDA_SUCCESS) goto out;
     struct physical *p = calloc(1, sizeof *p);
     if (!p || !add((void **)physicals, p)) { free(p); used[prop->location.id] -= size; FAIL(CUDA_ERROR_OUT_OF_MEMORY); }
-    *p = (struct physical){size, prop->location.id, 0, 0};
+    *p = (struct physical){size, prop->location.id, 0, 0, 1, prop->handle_types};
     *out = (CUmemGenericAllocationHandle)(uintptr_t)p;
     LEAVE;
 }
 
-static void destroy_physical(struct physical *p) {
+/* Physical memory is freed once every handle reference is released and every mapping unmapped. */
+static void maybe_destroy(struct physical *p) {
+    if (p->retains > 0 || p->mappings > 0) return;
     used[p->device] -= p->size;
     physicals[find((void **)physicals, p)] = NULL;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (exports[i].physical == p) exports[i].physical = NULL;
     free(p);
 }
 
-/* As with the driver, memory released while mapped is freed once it is unmapped. */
+static struct physical *physical_of(CUmemGenericAllocationHandle handle) {
+    struct physical *p = (struct physical *)(uintptr_t)handle;
+    return find((void **)physicals, p) >= 0 && p->retains > 0 ? p : NULL;
+}
+
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     ENTER(0);
-    struct physical *p = (struct physical *)(uintptr_t)handle;
-    if (find((void **)physicals, p) < 0 || p->released) FAIL(CUDA_ERROR_INVALID_VALUE);
-    p->released = 1;
-    if (!p->mapped_at) destroy_physical(p);
+    struct physical *p = physical_of(handle);
+    if (!p) FAIL(CUDA_ERROR_INVALID_VALUE);
+    p->retains--;
+    maybe_destroy(p);
+    LEAVE;
+}
+
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *out, void *address) {
+    ENTER(0);
+    struct mapping *m = mapping_holding((uintptr_t)address);
+    if (!out || !m) FAIL(CUDA_ERROR_INVALID_VALUE);
+    m->physical->retains++;
+    *out = (CUmemGenericAllocationHandle)(uintptr_t)m->physical;
+    LEAVE;
+}
+
+/* Handle type 1 is CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR. An export is a fresh memfd whose inode
+ * stands for the physical allocation; an import (in this process: the fake's memory is its own)
+ * finds the allocation again by the inode of the descriptor it is given. */
+
+CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle, int type,
+                                      unsigned long long flags) {
+    ENTER(0);
+    struct physical *p = physical_of(handle);
+    if (!shareable || !p || type != 1 || flags || !(p->handle_types & 1)) FAIL(CUDA_ERROR_INVALID_VALUE);
+    int fd = memfd_create("fake_cuda_export", MFD_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (!exports[i].physical) {
+            exports[i].inode = st.st_ino;
+            exports[i].physical = p;
+            *(int *)shareable = fd;
+            goto out;
+        }
+    close(fd);
+    FAIL(CUDA_ERROR_OUT_OF_MEMORY);
+    LEAVE;
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *out, void *os_handle, int type) {
+    ENTER(0);
+    struct stat st;
+    if (!out || type != 1 || fstat((int)(intptr_t)os_handle, &st) != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (exports[i].physical && exports[i].inode == st.st_ino && find((void **)physicals, exports[i].physical) >= 0) {
+            exports[i].physical->retains++;
+            *out = (CUmemGenericAllocationHandle)(uintptr_t)exports[i].physical;
+            goto out;
+        }
+    FAIL(CUDA_ERROR_INVALID_VALUE);
     LEAVE;
 }
 
 CUresult cuMemMap(CUdeviceptr address, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                   unsigned long long flags) {
     ENTER(1);
-    struct physical *p = (struct physical *)(uintptr_t)handle;
+    if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    struct physical *p = physical_of(handle);
     struct reservation *r = reservation_holding((uintptr_t)address);
-    if (find((void **)physicals, p) < 0 || p->released || p->mapped_at) FAIL(CUDA_ERROR_INVALID_VALUE);
-    if (!r || offset || flags || size != p->size || (address - r->base) % GRANULARITY ||
-        address + size > r->base + r->size)
+    if (!p || !r || flags || size == 0 || !aligned(size) || !aligned(offset) || !aligned(address - r->base))
         FAIL(CUDA_ERROR_INVALID_VALUE);
-    size_t first = (address - r->base) / GRANULARITY;
-    for (size_t page = first; page < first + size / GRANULARITY; page++)
-        if (r->mapped[page]) FAIL(CUDA_ERROR_INVALID_VALUE);
-    for (size_t page = first; page < first + size / GRANULARITY; page++) r->mapped[page] = 1;
-    p->mapped_at = (uintptr_t)address;
+    if (offset + size > p->size || address + size > r->base + r->size || mapped_within(address, size))
+        FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (mapping_count == MAX_ITEMS) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
+    mappings[mapping_count++] = (struct mapping){address, size, p, next_serial++};
+    p->mappings++;
     LEAVE;
+}
+
+/* The range must contain whole mappings only, and be fully mapped. */
+static int whole_mappings(uintptr_t address, size_t size) {
+    size_t covered = 0;
+    for (int i = 0; i < mapping_count; i++) {
+        struct mapping *m = &mappings[i];
+        if (m->address >= address + size || address >= m->address + m->size) continue;
+        if (m->address < address || m->address + m->size > address + size) return 0;
+        covered += m->size;
+    }
+    return covered == size;
 }
 
 CUresult cuMemSetAccess(CUdeviceptr address, size_t size, const struct access_desc *desc, size_t n) {
     ENTER(1);
     struct reservation *r = reservation_holding((uintptr_t)address);
-    if (!desc || n != 1 || desc->location.type != 1 || desc->flags != 3) FAIL(CUDA_ERROR_INVALID_VALUE);
-    if (!r || size == 0 || size % GRANULARITY || (address - r->base) % GRANULARITY ||
-        address + size > r->base + r->size)
-        FAIL(CUDA_ERROR_INVALID_VALUE);
-    size_t first = (address - r->base) / GRANULARITY;
-    for (size_t page = first; page < first + size / GRANULARITY; page++)
-        if (!r->mapped[page]) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (!desc || n == 0 || !r || !whole_mappings(address, size)) FAIL(CUDA_ERROR_INVALID_VALUE);
+    int self = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (desc[i].location.type != 1 || !device_ok(desc[i].location.id) || desc[i].flags != 3)
+            FAIL(CUDA_ERROR_INVALID_VALUE);
+        self |= desc[i].location.id == mapping_holding(address)->physical->device;
+    }
+    if (!self) FAIL(CUDA_ERROR_INVALID_VALUE);
     if (mprotect((void *)(uintptr_t)address, size, PROT_READ | PROT_WRITE) != 0) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
-    for (size_t page = first; page < first + size / GRANULARITY; page++) r->accessible[page] = 1;
+    memset(r->accessible + (address - r->base) / granularity(), 1, size / granularity());
     LEAVE;
 }
 
+static long long unmaps_until_failure = -1;
+
 CUresult cuMemUnmap(CUdeviceptr address, size_t size) {
     ENTER(1);
+    if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     struct reservation *r = reservation_holding((uintptr_t)address);
-    if (!r || size == 0 || size % GRANULARITY || (address - r->base) % GRANULARITY ||
-        address + size > r->base + r->size)
-        FAIL(CUDA_ERROR_INVALID_VALUE);
-    size_t first = (address - r->base) / GRANULARITY;
-    for (size_t page = first; page < first + size / GRANULARITY; page++)
-        if (!r->mapped[page]) FAIL(CUDA_ERROR_INVALID_VALUE);
-    /* Every physical allocation mapped in the range must lie wholly inside it. */
-    for (int i = 0; i < MAX_ITEMS; i++) {
-        struct physical *p = physicals[i];
-        if (p && p->mapped_at && p->mapped_at < address + size && address < p->mapped_at + p->size &&
-            (p->mapped_at < address || p->mapped_at + p->size > address + size))
-            FAIL(CUDA_ERROR_INVALID_VALUE);
-    }
-    for (int i = 0; i < MAX_ITEMS; i++) {
-        struct physical *p = physicals[i];
-        if (p && p->mapped_at >= address && p->mapped_at < address + size) {
-            p->mapped_at = 0;
-            if (p->released) destroy_physical(p);
+    if (!r || size == 0 || !whole_mappings(address, size)) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (unmaps_until_failure < 0) unmaps_until_failure = env_number("FAKE_CUDA_FAIL_UNMAP", 0);
+    if (unmaps_until_failure > 0 && --unmaps_until_failure == 0) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (kernel_pending_on(address, size, next_order, NULL))
+        violation("cuMemUnmap of memory a pending kernel uses", address, size);
+    for (int i = 0; i < mapping_count;) {
+        struct mapping *m = &mappings[i];
+        if (m->address >= address && m->address < address + size) {
+            struct physical *p = m->physical;
+            *m = mappings[--mapping_count];
+            p->mappings--;
+            maybe_destroy(p);
+        } else {
+            i++;
         }
     }
     mprotect((void *)(uintptr_t)address, size, PROT_NONE);
     madvise((void *)(uintptr_t)address, size, MADV_DONTNEED);
-    for (size_t page = first; page < first + size / GRANULARITY; page++) r->mapped[page] = r->accessible[page] = 0;
+    memset(r->accessible + (address - r->base) / granularity(), 0, size / granularity());
     LEAVE;
 }
 

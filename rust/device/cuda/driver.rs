@@ -22,26 +22,30 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
+    "cuCtxSynchronize",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemGetInfo_v2",
-    "cuMemcpyHtoD_v2",
-    "cuMemcpyDtoH_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamQuery",
     "cuStreamSynchronize",
     "cuCtxSynchronize",
     "cuStreamWaitEvent",
+    "cuStreamIsCapturing",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuIpcGetMemHandle",
 ];
 
 /// The driver's stream-ordered pool, for [`super::Mode::Async`].
-pub const ASYNC_SYMBOLS: &[&str] = &["cuMemAllocAsync", "cuMemFreeAsync"];
+pub const ASYNC_SYMBOLS: &[&str] =
+    &["cuMemAllocAsync", "cuMemFreeAsync", "cuDeviceGetDefaultMemPool", "cuMemPoolSetAttribute"];
 
 /// Virtual memory management, for reserved address ranges backed page by page.
 pub const VMM_SYMBOLS: &[&str] = &[
@@ -53,6 +57,7 @@ pub const VMM_SYMBOLS: &[&str] = &[
     "cuMemMap",
     "cuMemUnmap",
     "cuMemSetAccess",
+    "cuDeviceCanAccessPeer",
 ];
 
 /// What the probe learned about the installed driver.
@@ -186,18 +191,39 @@ impl Context {
         self.ordinal
     }
 
-    /// Makes this context current on the calling thread. Python threads, PyTorch's autograd
-    /// threads and the C ABI's callers all reach a device from threads of their own, and another
-    /// library may have made a different context current since our last call.
-    pub fn bind(&self) -> Result<(), DeviceError> {
-        let mut current = std::ptr::null_mut();
+    /// Makes this context current on the calling thread until the returned guard drops, which
+    /// restores whatever was current before (errors included: the guard restores on any exit).
+    /// Python threads, PyTorch's autograd threads and the C ABI's callers reach a device from
+    /// threads of their own, whose current context belongs to them: PyTorch and CuPy keep their
+    /// notion of the current device there, and a gpupool call must leave it as it found it.
+    pub fn enter(&self) -> Result<Entered, DeviceError> {
+        let mut previous = std::ptr::null_mut();
         // SAFETY: writes one context handle through a valid pointer.
-        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut current) })?;
-        if current as u64 != self.raw {
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut previous) })?;
+        let previous = previous as u64;
+        if previous != self.raw {
             // SAFETY: `raw` is a primary context this value retains.
             check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw as sys::CUcontext) })?;
         }
-        Ok(())
+        Ok(Entered { previous: (previous != self.raw).then_some(previous) })
+    }
+}
+
+/// A context made current by [`Context::enter`]; dropping it makes the previous one current again.
+#[must_use = "the context is current only while the guard lives"]
+pub struct Entered {
+    /// The context to restore (possibly none, 0), when it differed from ours.
+    previous: Option<u64>,
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: the handle was current on this thread a moment ago (or null, which unbinds).
+            // A failure cannot be reported from a destructor and would leave ours current, which
+            // the next call through a guard corrects.
+            let _ = unsafe { sys::cuCtxSetCurrent(previous as sys::CUcontext) };
+        }
     }
 }
 

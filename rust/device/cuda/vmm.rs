@@ -1,30 +1,36 @@
-//! Reserved address ranges backed page by page (the driver's virtual memory management calls),
-//! the mechanism behind PyTorch's expandable segments: the cuda backend's `reserve`, `map`,
-//! `unmap` and `unreserve` of the [`Device`](crate::device::Device) trait.
+//! Reserved address ranges backed in runs (the driver's virtual memory management calls), the
+//! mechanism behind PyTorch's expandable segments: the cuda backend's `reserve`, `map`, `unmap`
+//! and `unreserve` of the [`Device`](crate::device::Device) trait.
 //!
-//! A *reservation* is address space with nothing behind it (`cuMemAddressReserve`). Mapping a
-//! page range creates one physical allocation per page (`cuMemCreate`), maps it (`cuMemMap`) and
-//! grants this device read/write access (`cuMemSetAccess`); one handle per page lets any page be
-//! unmapped on its own later. Mapped pages count as memory the device holds.
+//! A *reservation* is address space with nothing behind it (`cuMemAddressReserve`). Mapping a run
+//! creates one physical allocation per pool page (`cuMemCreate`), the unit the pool may later
+//! unmap on its own, maps each (`cuMemMap`), grants access to the whole run in one call
+//! (`cuMemSetAccess`, with a descriptor per peer device), and releases each handle at once
+//! (`cuMemRelease`: the memory lives until its mapping goes, so unmapping a page is one call,
+//! `cuMemUnmap`, that either happens or not). Sizes and addresses are multiples of the driver's
+//! granularity (`cuMemGetAllocationGranularity`). Mapped pages count as memory the device holds.
 
 use super::driver::{self, check, check_alloc};
 use super::Cuda;
-use crate::device::DeviceError;
+use crate::device::{DeviceError, MappingOptions};
 use cudarc::driver::sys;
 use std::collections::BTreeMap;
 
 #[derive(Debug)]
 struct Reservation {
     size: u64,
-    /// Mapped pages: address -> physical allocation handle.
-    pages: BTreeMap<u64, u64>,
+    /// Mappings (one physical allocation each): address -> size.
+    mappings: BTreeMap<u64, u64>,
 }
 
-/// Every reservation of one device, by base address.
+/// Every reservation of one device, by base address, and how their memory is made.
 #[derive(Debug, Default)]
 pub struct Reservations {
     by_base: BTreeMap<u64, Reservation>,
-    page_size: Option<u64>,
+    granularity: Option<u64>,
+    options: MappingOptions,
+    /// Whether `options.peers` were found reachable (checked once, at the first map).
+    peers_checked: bool,
 }
 
 impl Reservations {
@@ -33,23 +39,27 @@ impl Reservations {
         (address < base + r.size).then_some((base, r))
     }
 
-    /// Whether every byte of `[address, end)` is on mapped pages.
+    /// Whether every byte of `[address, end)` is mapped.
     pub fn is_mapped(&self, address: u64, end: u64) -> bool {
-        let (Some((base, r)), Some(page)) = (self.holding(address), self.page_size) else {
-            return false;
-        };
-        end <= base + r.size && {
-            let first = address - (address - base) % page;
-            (first..end).step_by(page as usize).all(|p| r.pages.contains_key(&p))
+        let Some((_, r)) = self.holding(address) else { return false };
+        let mut at = address;
+        // Mappings are contiguous where the range is covered: walk them from the one holding it.
+        while at < end {
+            match r.mappings.range(..=at).next_back() {
+                Some((&start, &size)) if start + size > at => at = start + size,
+                _ => return false,
+            }
         }
+        true
     }
 
-    /// Unmaps and frees everything (when the device closes); errors are ignored.
+    /// Unmaps and frees everything (when the device closes, after its work finished); errors are
+    /// ignored.
     pub fn release_all(&mut self) {
-        let page = self.page_size.unwrap_or(0);
         for (base, r) in std::mem::take(&mut self.by_base) {
-            for (&address, &handle) in &r.pages {
-                unmap_page(address, page, handle).ok();
+            for (&address, &size) in &r.mappings {
+                // SAFETY: a mapping of ours, unmapped once; its handle was released when mapped.
+                let _ = unsafe { sys::cuMemUnmap(address, size as usize) };
             }
             // SAFETY: a range we reserved, now without mappings, freed once.
             let _ = unsafe { sys::cuMemAddressFree(base, r.size as usize) };
@@ -57,12 +67,17 @@ impl Reservations {
     }
 }
 
-/// Pinned device memory on `ordinal`, with no shareable handle.
-fn allocation_properties(ordinal: i32) -> sys::CUmemAllocationProp {
+/// Pinned device memory on `ordinal`, exportable as a file descriptor when `shareable`.
+fn allocation_properties(ordinal: i32, shareable: bool) -> sys::CUmemAllocationProp {
+    let handle_type = if shareable {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    } else {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+    };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-        location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+        requestedHandleTypes: handle_type,
+        location: device_location(ordinal),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
             compressionType: 0,
@@ -73,23 +88,32 @@ fn allocation_properties(ordinal: i32) -> sys::CUmemAllocationProp {
     }
 }
 
-fn unmap_page(address: u64, page: u64, handle: u64) -> Result<(), DeviceError> {
-    // SAFETY: `address` is a page we mapped with `handle`; after the unmap nothing refers to the
-    // physical allocation, which is released once.
-    check("cuMemUnmap", unsafe { sys::cuMemUnmap(address, page as usize) })?;
-    // SAFETY: as above.
-    check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
+/// Read/write access for `ordinal` and each of `peers`.
+pub(super) fn device_access(ordinal: i32, peers: &[i32]) -> Vec<sys::CUmemAccessDesc> {
+    let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    let devices = std::iter::once(ordinal).chain(peers.iter().copied());
+    devices.map(|d| sys::CUmemAccessDesc { location: device_location(d), flags: rw }).collect()
+}
+
+fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
+}
+
+/// Unmaps one mapping; on success its memory goes back to the driver (its handle was released).
+fn unmap_one(address: u64, size: u64) -> Result<(), DeviceError> {
+    // SAFETY: `[address, address + size)` is exactly one mapping of ours.
+    check("cuMemUnmap", unsafe { sys::cuMemUnmap(address, size as usize) })
 }
 
 impl Cuda {
-    /// The mapping granularity: reservations and mappings are whole multiples of it.
+    /// The mapping granularity: reservations, mappings and pool pages are whole multiples of it.
     pub fn page_size(&mut self) -> Result<u64, DeviceError> {
-        if let Some(page) = self.reservations.page_size {
+        if let Some(page) = self.reservations.granularity {
             return Ok(page);
         }
         driver::require_symbols(driver::VMM_SYMBOLS, "virtual memory management")?;
-        self.context.bind()?;
-        let prop = allocation_properties(self.ordinal());
+        let _current = self.context.enter()?;
+        let prop = allocation_properties(self.ordinal(), self.reservations.options.shareable);
         let mut page = 0usize;
         let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
         // SAFETY: valid pointers to a granularity and a fully initialized properties struct.
@@ -99,15 +123,21 @@ impl Cuda {
         if page == 0 || !page.is_power_of_two() {
             return Err(DeviceError::Driver(format!("the driver reported a mapping granularity of {page} bytes")));
         }
-        self.reservations.page_size = Some(page as u64);
+        self.reservations.granularity = Some(page as u64);
         Ok(page as u64)
     }
 
-    /// Reserves address space for `size` bytes (rounded up to whole pages); nothing is mapped.
+    /// Takes effect for memory mapped from now on.
+    pub(super) fn mapping_options(&mut self, options: &MappingOptions) {
+        self.reservations.options = options.clone();
+        self.reservations.peers_checked = false;
+    }
+
+    /// Reserves address space for `size` bytes (rounded up to the granularity); nothing is mapped.
     pub(super) fn reserve_range(&mut self, size: u64) -> Result<u64, DeviceError> {
         let page = self.page_size()?;
         let size = size.max(1).checked_next_multiple_of(page).ok_or(DeviceError::OutOfMemory { requested: size })?;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         let mut base = 0;
         // SAFETY: the context is current; the driver picks the address (hint 0).
         check_alloc(
@@ -115,90 +145,127 @@ impl Cuda {
             unsafe { sys::cuMemAddressReserve(&mut base, size as usize, 0, 0, 0) },
             size,
         )?;
-        self.reservations.by_base.insert(base, Reservation { size, pages: BTreeMap::new() });
+        self.reservations.by_base.insert(base, Reservation { size, mappings: BTreeMap::new() });
         Ok(base)
     }
 
-    /// The page-aligned `[address, address + size)` inside one reservation, and its base.
-    fn page_range(&mut self, address: u64, size: u64) -> Result<(u64, u64), DeviceError> {
-        let page = self.page_size()?;
+    /// Checks that `[address, address + size)` lies in one reservation, aligned to `unit` (a
+    /// multiple of the granularity); returns the reservation's base.
+    fn aligned_range(&mut self, address: u64, size: u64, unit: u64) -> Result<u64, DeviceError> {
+        let granularity = self.page_size()?;
         let invalid = DeviceError::InvalidAddress(address);
         let (base, r) = self.reservations.holding(address).ok_or(invalid.clone())?;
         let end = address.checked_add(size).ok_or(invalid.clone())?;
-        if size == 0 || !(address - base).is_multiple_of(page) || !size.is_multiple_of(page) || end > base + r.size {
+        let aligned = |v: u64, to: u64| to != 0 && v.is_multiple_of(to);
+        if size == 0 || !aligned(unit, granularity) || !aligned(address - base, unit) || !aligned(size, unit) {
             return Err(invalid);
         }
-        Ok((base, page))
+        if end > base + r.size {
+            return Err(invalid);
+        }
+        Ok(base)
     }
 
-    /// Backs `[address, address + size)` with device memory, one physical allocation per page.
-    /// Every page must be unmapped; on failure the pages this call mapped are unmapped again.
-    pub(super) fn map_range(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        let (base, page) = self.page_range(address, size)?;
-        let pages = &self.reservations.by_base[&base].pages;
-        if pages.range(address..address + size).next().is_some() {
+    /// Whether pages are made exportable (`shareable_handle:posix_fd`).
+    pub(super) fn shares_pages(&self) -> bool {
+        self.reservations.options.shareable
+    }
+
+    /// The mappings that together cover `[address, end)`, in order; `None` unless all of it is
+    /// mapped.
+    pub(super) fn mappings_covering(&self, address: u64, end: u64) -> Option<Vec<(u64, u64)>> {
+        let (_, r) = self.reservations.holding(address)?;
+        let mut covering = Vec::new();
+        let mut at = address;
+        while at < end {
+            let (&start, &size) = r.mappings.range(..=at).next_back().filter(|(&s, &l)| s + l > at)?;
+            covering.push((start, size));
+            at = start + size;
+        }
+        Some(covering)
+    }
+
+    /// The access descriptors for mapped memory: this device, then each peer, read/write.
+    fn access(&mut self) -> Result<Vec<sys::CUmemAccessDesc>, DeviceError> {
+        let ordinal = self.ordinal();
+        if !self.reservations.peers_checked {
+            for &peer in &self.reservations.options.peers {
+                let mut can = 0;
+                // SAFETY: writes one int; the driver validates both ordinals.
+                let status = unsafe { sys::cuDeviceCanAccessPeer(&mut can, ordinal, peer) };
+                if status != sys::CUresult::CUDA_SUCCESS || can == 0 {
+                    return Err(DeviceError::Driver(format!(
+                        "peer_access: cuda:{peer} cannot access cuda:{ordinal}'s memory ({status:?})"
+                    )));
+                }
+            }
+            self.reservations.peers_checked = true;
+        }
+        Ok(device_access(ordinal, &self.reservations.options.peers))
+    }
+
+    /// Backs `[address, address + size)` with one physical allocation per `page`, mapped each,
+    /// with access set once for the whole run. Nothing in the range may be mapped; on failure
+    /// whatever this call mapped is unmapped again.
+    pub(super) fn map_range(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
+        let base = self.aligned_range(address, size, page)?;
+        if self.reservations.by_base[&base]
+            .mappings
+            .range(..address + size)
+            .next_back()
+            .is_some_and(|(&s, &l)| s + l > address)
+        {
             return Err(DeviceError::InvalidAddress(address));
         }
         super::check_capacity(self.capacity, self.held, size)?;
-        self.context.bind()?;
+        let access = self.access()?;
+        let _current = self.context.enter()?;
+        let prop = allocation_properties(self.ordinal(), self.reservations.options.shareable);
         let mut mapped = Vec::new();
-        let outcome = (address..address + size).step_by(page as usize).try_for_each(|p| {
-            mapped.push((p, self.map_page(p, page)?));
+        let outcome = (address..address + size).step_by(page as usize).try_for_each(|at| {
+            map_one(at, page, &prop)?;
+            mapped.push(at);
             Ok(())
         });
-        let pages = &mut self.reservations.by_base.get_mut(&base).expect("reservation checked above").pages;
-        match outcome {
-            Ok(()) => {
-                pages.extend(mapped);
-                self.held += size;
-                Ok(())
+        let outcome = outcome.and_then(|()| {
+            // SAFETY: the run was just mapped in full; the descriptors are valid for the call.
+            check("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(address, size as usize, access.as_ptr(), access.len())
+            })
+        });
+        if let Err(e) = outcome {
+            for at in mapped {
+                // A failure here leaves the page mapped but unknown to the pool: a later map of it
+                // fails, which is safe; nothing is handed out on it.
+                unmap_one(at, page).ok();
             }
-            Err(e) => {
-                for (p, handle) in mapped {
-                    unmap_page(p, page, handle).ok();
-                }
-                Err(e)
-            }
-        }
-    }
-
-    fn map_page(&self, address: u64, page: u64) -> Result<u64, DeviceError> {
-        let prop = allocation_properties(self.ordinal());
-        let mut handle = 0;
-        // SAFETY: the context is current; `prop` is fully initialized.
-        check_alloc("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, page as usize, &prop, 0) }, page)?;
-        // SAFETY: `address` is an unmapped, page-aligned page of a live reservation of ours.
-        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(address, page as usize, 0, handle, 0) }) {
-            // SAFETY: created above and never mapped.
-            let _ = unsafe { sys::cuMemRelease(handle) };
             return Err(e);
         }
-        let access = sys::CUmemAccessDesc {
-            location: prop.location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the page was just mapped; one valid access descriptor.
-        if let Err(e) = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(address, page as usize, &access, 1) }) {
-            unmap_page(address, page, handle).ok();
-            return Err(e);
-        }
-        Ok(handle)
+        let mappings = &mut self.reservations.by_base.get_mut(&base).expect("reservation checked above").mappings;
+        mappings.extend((address..address + size).step_by(page as usize).map(|at| (at, page)));
+        self.held += size;
+        Ok(())
     }
 
-    /// Unmaps and frees the pages of `[address, address + size)`, which must all be mapped.
+    /// Unmaps `[address, address + size)`, which must be whole mappings; stops at the first
+    /// failure with the mappings before it gone and the rest still mapped (the pool asks for one
+    /// page at a time, so that is all or nothing).
     pub(super) fn unmap_range(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        let (base, page) = self.page_range(address, size)?;
+        let granularity = self.page_size()?;
+        let base = self.aligned_range(address, size, granularity)?;
+        let end = address + size;
         let r = &self.reservations.by_base[&base];
-        if r.pages.range(address..address + size).count() as u64 != size / page {
+        let whole: Vec<(u64, u64)> = r.mappings.range(address..end).map(|(&a, &l)| (a, l)).collect();
+        let covered: u64 = whole.iter().map(|&(_, l)| l).sum();
+        if covered != size || whole.last().is_some_and(|&(a, l)| a + l > end) {
             return Err(DeviceError::InvalidAddress(address));
         }
-        self.context.bind()?;
-        let pages = &mut self.reservations.by_base.get_mut(&base).expect("reservation checked above").pages;
-        for p in (address..address + size).step_by(page as usize) {
-            let handle = pages[&p];
-            unmap_page(p, page, handle)?;
-            pages.remove(&p);
-            self.held -= page;
+        let _current = self.context.enter()?;
+        let mappings = &mut self.reservations.by_base.get_mut(&base).expect("reservation checked above").mappings;
+        for (at, len) in whole {
+            unmap_one(at, len)?;
+            mappings.remove(&at);
+            self.held -= len;
         }
         Ok(())
     }
@@ -206,11 +273,11 @@ impl Cuda {
     /// Gives the reservation at `base` back; every page of it must be unmapped.
     pub(super) fn unreserve_range(&mut self, base: u64) -> Result<(), DeviceError> {
         let r = self.reservations.by_base.get(&base).ok_or(DeviceError::InvalidAddress(base))?;
-        if !r.pages.is_empty() {
+        if !r.mappings.is_empty() {
             return Err(DeviceError::InvalidAddress(base));
         }
         let size = r.size;
-        self.context.bind()?;
+        let _current = self.context.enter()?;
         // SAFETY: a range we reserved, with no mappings left, freed once.
         check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(base, size as usize) })?;
         self.reservations.by_base.remove(&base);
@@ -219,10 +286,30 @@ impl Cuda {
 
     /// Bytes reserved and bytes mapped, summed over reservations.
     pub fn reserved_and_mapped(&self) -> (u64, u64) {
-        let page = self.reservations.page_size.unwrap_or(0);
         self.reservations
             .by_base
             .values()
-            .fold((0, 0), |(reserved, mapped), r| (reserved + r.size, mapped + r.pages.len() as u64 * page))
+            .fold((0, 0), |(reserved, mapped), r| (reserved + r.size, mapped + r.mappings.values().sum::<u64>()))
+    }
+}
+
+/// Creates one physical allocation of `page` bytes, maps it at `address` and releases the handle
+/// (the mapping keeps the memory alive). The context must be current.
+fn map_one(address: u64, page: u64, prop: &sys::CUmemAllocationProp) -> Result<(), DeviceError> {
+    let mut handle = 0;
+    // SAFETY: `prop` is fully initialized; one handle written.
+    check_alloc("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, page as usize, prop, 0) }, page)?;
+    // SAFETY: `address` is an unmapped, aligned page of a live reservation of ours.
+    let mapped = check("cuMemMap", unsafe { sys::cuMemMap(address, page as usize, 0, handle, 0) });
+    // SAFETY: the handle is released once; if it was mapped, the mapping keeps the memory until
+    // it is unmapped (the driver's documented lifetime), else the memory goes now.
+    let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+    match (mapped, released) {
+        (Err(e), _) => Err(e),
+        (Ok(()), Err(e)) => {
+            unmap_one(address, page).ok();
+            Err(e)
+        }
+        (Ok(()), Ok(())) => Ok(()),
     }
 }

@@ -4,12 +4,13 @@
 use super::{Backend, Config, ConfigError, CrossStreamReuse, Strategy};
 use super::{DEFAULT_ARENA_MB, DEFAULT_PAGE_MB, MIB, MIN_SPLIT_LIMIT_MB};
 use crate::core::{Rules, POWER2_INTERVALS};
+use crate::device::MappingOptions;
 
 /// Every key, for the message naming an unknown one.
 const KNOWN_KEYS: &str = "strategy, backend, max_split_size_mb, max_non_split_rounding_mb, \
     roundup_power2_divisions, garbage_collection_threshold, expandable_segments, \
     release_lock_on_cudamalloc, per_process_memory_fraction, large_segment_size_mb, \
-    release_threshold, initial_pool_size_mb, page_size_mb, cross_stream_reuse";
+    release_threshold, initial_pool_size_mb, page_size_mb, cross_stream_reuse, shareable_handle, peer_access";
 
 /// Megabyte counts stay far from overflowing when multiplied out.
 const MAX_MB: u64 = 1 << 40;
@@ -64,6 +65,7 @@ pub(super) struct Keys {
     initial_pool_size_mb: Option<u64>,
     page_size_mb: Option<u64>,
     cross_stream_reuse: Option<CrossStreamReuse>,
+    mapping: MappingOptions,
 }
 
 impl Keys {
@@ -95,6 +97,10 @@ impl Keys {
             "release_threshold" => self.release_threshold = Some(fraction(key, value, true)?),
             "initial_pool_size_mb" => self.initial_pool_size_mb = Some(at_least(key, value, 0)?),
             "page_size_mb" => self.page_size_mb = Some(power_of_two(key, value)?),
+            "shareable_handle" => {
+                self.mapping.shareable = choice(key, value, &[("none", false), ("posix_fd", true)])?;
+            }
+            "peer_access" => self.mapping.peers = devices(key, value)?,
             "cross_stream_reuse" => {
                 let modes = [CrossStreamReuse::Never, CrossStreamReuse::Completed, CrossStreamReuse::Wait];
                 self.cross_stream_reuse = Some(choice(key, value, &modes.map(|m| (m.name(), m)))?);
@@ -153,6 +159,7 @@ impl Keys {
             per_process_memory_fraction: self.per_process_memory_fraction,
             initial_pool_size: initial_mb * MIB,
             release_lock_on_cudamalloc: self.release_lock_on_cudamalloc,
+            mapping: self.mapping,
         })
     }
 
@@ -217,6 +224,18 @@ fn fraction(key: &str, value: &str, closed: bool) -> Result<f64, ConfigError> {
         let range = if closed { "[0, 1]" } else { "(0, 1)" };
         ConfigError(format!("config key '{key}' needs a number in {range}, got '{value}'"))
     })
+}
+
+/// `[1,3]`: device numbers, each once.
+fn devices(key: &str, value: &str) -> Result<Vec<i32>, ConfigError> {
+    let bad = || ConfigError(format!("config key '{key}' needs a list of device numbers such as [1,2], got '{value}'"));
+    let list = value.strip_prefix('[').and_then(|v| v.strip_suffix(']')).ok_or_else(bad)?;
+    let mut devices = Vec::new();
+    for item in list.split(',').filter(|item| !item.is_empty()) {
+        let device = item.parse::<i32>().ok().filter(|d| *d >= 0 && !devices.contains(d)).ok_or_else(bad)?;
+        devices.push(device);
+    }
+    Ok(devices)
 }
 
 fn boolean(key: &str, value: &str) -> Result<bool, ConfigError> {
@@ -369,6 +388,17 @@ mod tests {
         assert_eq!(get("release_threshold"), "0.25");
         assert_eq!(get("expandable_segments"), "False");
         assert!(get("roundup_power2_divisions").starts_with("[1:0,2:4,4:4"));
-        assert_eq!(entries.len(), 14);
+        assert_eq!((get("shareable_handle"), get("peer_access")), ("none".into(), "[]".into()));
+        assert_eq!(entries.len(), 16);
+    }
+
+    #[test]
+    fn mapping_options() {
+        let c = Config::parse("shareable_handle:posix_fd,peer_access:[1,3]").unwrap();
+        assert!(c.mapping.shareable && c.mapping.peers == [1, 3]);
+        assert_eq!(Config::default().mapping, Default::default());
+        for bad in ["peer_access:1", "peer_access:[1,1]", "peer_access:[-1]", "shareable_handle:fabric"] {
+            assert!(Config::parse(bad).is_err(), "{bad}");
+        }
     }
 }

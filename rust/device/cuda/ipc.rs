@@ -1,0 +1,160 @@
+//! Pages shared with other processes through their shareable handles (`shareable_handle:posix_fd`).
+//!
+//! The exporting process turns each mapping (one physical allocation) under a range into a file
+//! descriptor (`cuMemRetainAllocationHandle`, `cuMemExportToShareableHandle`); the importing
+//! process duplicates those descriptors out of the exporter (`pidfd_open` + `pidfd_getfd`, Linux
+//! 5.6 and later, as PyTorch's expandable segments do), turns them back into handles
+//! (`cuMemImportFromShareableHandle`) and maps them side by side in an address range of its own.
+
+use super::driver::{self, check, Context};
+use super::vmm::device_access;
+use super::Cuda;
+use crate::device::{DeviceError, ExportedPages};
+use cudarc::driver::sys;
+
+/// Exporting and importing need these beyond the virtual memory calls.
+const IPC_SYMBOLS: &[&str] =
+    &["cuMemRetainAllocationHandle", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle"];
+
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+impl Cuda {
+    /// A file descriptor for each mapping under `[address, address + len)`, which must be mapped
+    /// pages made with `shareable_handle:posix_fd`. The descriptors belong to the caller.
+    pub(super) fn export_range(&mut self, address: u64, len: u64) -> Result<ExportedPages, DeviceError> {
+        if !self.shares_pages() {
+            return Err(DeviceError::Unsupported(
+                "exporting pages not made shareable (configure shareable_handle:posix_fd)",
+            ));
+        }
+        let end = address.checked_add(len.max(1)).ok_or(DeviceError::InvalidAddress(address))?;
+        let mappings = self.mappings_covering(address, end).ok_or(DeviceError::InvalidAddress(address))?;
+        driver::require_symbols(IPC_SYMBOLS, "sharing pages between processes")?;
+        let _current = self.context.enter()?;
+        let mut pages = Vec::with_capacity(mappings.len());
+        for &(start, size) in &mappings {
+            match export_one(start) {
+                Ok(fd) => pages.push((fd, size)),
+                Err(e) => {
+                    close_all(&pages);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ExportedPages { pid: std::process::id(), pages, offset: address - mappings[0].0 })
+    }
+}
+
+/// One mapping's handle as a new file descriptor; the context must be current.
+fn export_one(address: u64) -> Result<i32, DeviceError> {
+    let mut handle = 0;
+    // SAFETY: `address` is inside a live mapping of ours; one handle written, released below.
+    check("cuMemRetainAllocationHandle", unsafe {
+        sys::cuMemRetainAllocationHandle(&mut handle, address as *mut std::ffi::c_void)
+    })?;
+    let mut fd: i32 = -1;
+    // SAFETY: the handle was retained above; a POSIX descriptor is an int, written through `fd`.
+    let exported = check("cuMemExportToShareableHandle", unsafe {
+        sys::cuMemExportToShareableHandle((&mut fd as *mut i32).cast(), handle, POSIX_FD, 0)
+    });
+    // SAFETY: balances the retain; the mapping keeps the memory.
+    let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+    exported.and(released).map(|()| fd)
+}
+
+fn close_all(pages: &[(i32, u64)]) {
+    for &(fd, _) in pages {
+        // SAFETY: descriptors this module opened and nobody else has seen.
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// Another process's pages mapped here, side by side; unmapped when dropped.
+#[derive(Debug)]
+pub struct ImportedPages {
+    context: Context,
+    base: u64,
+    size: u64,
+    mappings: Vec<(u64, u64)>,
+}
+
+impl ImportedPages {
+    /// Where the pages start in this process.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+}
+
+/// Maps on `cuda:ordinal` the pages process `pid` exported as `pages` (its descriptors, with
+/// each mapping's size).
+pub fn import_pages(ordinal: i32, pid: u32, pages: &[(i32, u64)]) -> Result<ImportedPages, DeviceError> {
+    driver::require_symbols(IPC_SYMBOLS, "sharing pages between processes")?;
+    let context = Context::retain(ordinal)?;
+    let _current = context.enter()?;
+    let size: u64 = pages.iter().map(|&(_, s)| s).sum();
+    let mut base = 0;
+    // SAFETY: the context is current; the driver picks the address.
+    check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut base, size as usize, 0, 0, 0) })?;
+    // From here on, dropping `imported` undoes whatever was mapped.
+    let mut imported = ImportedPages { context, base, size, mappings: Vec::new() };
+    let pidfd = pidfd_open(pid)?;
+    let mut at = base;
+    let mapped = pages.iter().try_for_each(|&(fd, len)| {
+        map_imported(pidfd, fd, at, len)?;
+        imported.mappings.push((at, len));
+        at += len;
+        Ok(())
+    });
+    // SAFETY: a descriptor opened above, closed once.
+    unsafe { libc::close(pidfd) };
+    mapped?;
+    let access = device_access(ordinal, &[]);
+    // SAFETY: the whole range was just mapped; one valid descriptor.
+    check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(base, size as usize, access.as_ptr(), access.len()) })?;
+    Ok(imported)
+}
+
+/// Duplicates the exporter's descriptor `fd`, imports it and maps it at `address`.
+fn map_imported(pidfd: i32, fd: i32, address: u64, len: u64) -> Result<(), DeviceError> {
+    // SAFETY: pidfd_getfd takes a pidfd, the other process's descriptor and flags 0.
+    let local = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) } as i32;
+    if local < 0 {
+        return Err(DeviceError::Driver(format!("pidfd_getfd: {}", std::io::Error::last_os_error())));
+    }
+    let mut handle = 0;
+    // SAFETY: `local` is an open descriptor of an exported allocation; the driver takes the int
+    // as a pointer-sized value.
+    let status = unsafe { sys::cuMemImportFromShareableHandle(&mut handle, local as usize as *mut _, POSIX_FD) };
+    // SAFETY: our duplicate, closed once; the handle keeps the memory.
+    unsafe { libc::close(local) };
+    check("cuMemImportFromShareableHandle", status)?;
+    // SAFETY: `address` is an unmapped, aligned part of our reservation; the handle is released
+    // once, the mapping keeping the memory.
+    let mapped = check("cuMemMap", unsafe { sys::cuMemMap(address, len as usize, 0, handle, 0) });
+    // SAFETY: as above.
+    let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+    mapped.and(released)
+}
+
+fn pidfd_open(pid: u32) -> Result<i32, DeviceError> {
+    // SAFETY: pidfd_open takes a pid and flags 0.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) } as i32;
+    if pidfd < 0 {
+        return Err(DeviceError::Driver(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error())));
+    }
+    Ok(pidfd)
+}
+
+impl Drop for ImportedPages {
+    /// The exporter's memory stays its own: only this process's mappings and range go.
+    fn drop(&mut self) {
+        let Ok(_current) = self.context.enter() else { return };
+        for &(address, len) in &self.mappings {
+            // SAFETY: mappings made by `import_pages`, unmapped once.
+            let _ = unsafe { sys::cuMemUnmap(address, len as usize) };
+        }
+        // SAFETY: the range reserved by `import_pages`, now without mappings.
+        let _ = unsafe { sys::cuMemAddressFree(self.base, self.size as usize) };
+    }
+}

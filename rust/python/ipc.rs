@@ -1,0 +1,59 @@
+//! `gpupool._native._SharedPages` and the functions that export and import pages between
+//! processes (`shareable_handle:posix_fd`); gpupool.numba's IPC handles use them.
+
+use super::error::pool_error;
+use super::pool::PyPool;
+use crate::device::cuda::ipc::{import_pages, ImportedPages};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::sync::Mutex;
+
+/// What Python receives for exported pages: `(pid, [(fd, size), ...], offset)`.
+type Export = (u32, Vec<(i32, u64)>, u64);
+
+/// The pages under `[address, address + size)` of `pool`, exported; the caller closes the
+/// descriptors once the other process has taken them.
+#[pyfunction]
+fn _export_pages(py: Python<'_>, pool: &PyPool, address: u64, size: u64) -> PyResult<Export> {
+    py.detach(|| {
+        let exported = pool.shared().lock_detached()?.device_mut().export_pages(address, size);
+        let e = exported.map_err(|e| pool_error(e.into()))?;
+        Ok((e.pid, e.pages, e.offset))
+    })
+}
+
+/// Another process's pages mapped into this one; `close()` (or dropping it) unmaps them.
+#[pyclass(name = "_SharedPages", module = "gpupool._native", frozen)]
+pub struct PySharedPages {
+    pages: Mutex<Option<ImportedPages>>,
+    base: u64,
+}
+
+#[pymethods]
+impl PySharedPages {
+    /// Where the imported pages start in this process.
+    #[getter]
+    fn base(&self) -> u64 {
+        self.base
+    }
+
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let taken = self.pages.lock().map_err(|_| PyValueError::new_err("a close panicked"))?.take();
+        py.detach(|| drop(taken));
+        Ok(())
+    }
+}
+
+/// Maps on `cuda:device` the pages process `pid` exported (see `_export_pages`).
+#[pyfunction]
+fn _import_pages(py: Python<'_>, device: i32, pid: u32, pages: Vec<(i32, u64)>) -> PyResult<PySharedPages> {
+    let imported = py.detach(|| import_pages(device, pid, &pages)).map_err(|e| pool_error(e.into()))?;
+    Ok(PySharedPages { base: imported.base(), pages: Mutex::new(Some(imported)) })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySharedPages>()?;
+    m.add_function(wrap_pyfunction!(_export_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(_import_pages, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,7 @@
+"""A stand-in for the parts of CuPy gpupool.cupy touches (the interface, not CuPy).
+
+`cupy.cuda.Device(n).use()` sets the current device, `cupy.cuda.Stream` objects with a `ptr`
+become current with `use()`, and `UnownedMemory` / `MemoryPointer` keep their owner as CuPy's do.
+"""
+
+from cupy import cuda  # noqa: F401

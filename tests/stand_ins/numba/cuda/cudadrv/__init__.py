@@ -1,0 +1,1 @@
+"""The stand-in's `numba.cuda.cudadrv`."""

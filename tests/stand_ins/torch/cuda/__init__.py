@@ -1,0 +1,1 @@
+"""The stand-in's `torch.cuda` (see `torch/__init__.py`)."""

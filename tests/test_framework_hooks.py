@@ -1,0 +1,322 @@
+"""gpupool.torch, gpupool.cupy and gpupool.numba against the fake CUDA driver and stand-ins for the frameworks.
+
+What runs for real: gpupool's C ABI (allocation, free, record_stream, empty_cache), the C++
+exception a failed allocation throws, caught the way PyTorch's frames catch it (a small C++
+caller built here), and install()'s wiring and configuration. What is stood in for: PyTorch itself
+(tests/stand_ins/torch reproduces the interface install() uses, not PyTorch), so that PyTorch
+really calls these hooks is checked only on a GPU (benches/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import fake_driver
+import pytest
+
+MiB = 1 << 20
+STAND_INS = Path(__file__).parent / "stand_ins"
+
+pytestmark = pytest.mark.skipif(fake_driver.compiler() is None, reason="no C compiler to build the fake driver")
+
+# Calls a pluggable allocation function the way PyTorch does (through a std::function, inside
+# C++ frames that catch exceptions) and reports what came back.
+CALLER = r"""
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <new>
+
+extern "C" int call_like_pytorch(void* function, long size, int device, char* out, unsigned long capacity) {
+    std::function<void*(long, int, void*)> alloc = reinterpret_cast<void* (*)(long, int, void*)>(function);
+    try {
+        std::snprintf(out, capacity, "%lu", reinterpret_cast<unsigned long>(alloc(size, device, nullptr)));
+        return 0;
+    } catch (const std::bad_alloc& e) {
+        std::snprintf(out, capacity, "%s", e.what());
+        return 1;
+    } catch (const std::exception& e) {
+        std::snprintf(out, capacity, "%s", e.what());
+        return 2;
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    return fake_driver.build(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    compiler = shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the PyTorch-like caller")
+    directory = tmp_path_factory.mktemp("caller")
+    (directory / "caller.cpp").write_text(CALLER)
+    library = directory / "libcaller.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(directory / "caller.cpp")], check=True)
+    return library
+
+
+def run(parts: tuple[str, ...], fake, **kwargs):
+    """Runs the snippet made of ``parts`` (each indented on its own) with the stand-in torch."""
+    env = {"PYTHONPATH": str(STAND_INS), **kwargs.pop("env", {})}
+    return fake_driver.run("\n".join(textwrap.dedent(part) for part in parts), fake, env=env, **kwargs)
+
+
+INSTALLED = """
+import gpupool.torch
+from torch.cuda import memory
+lib = ctypes.CDLL(_native.__file__)
+installed = memory.current
+hooks = installed.allocator().hooks
+alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(installed.alloc)
+free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(installed.free)
+record_stream = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(hooks["set_record_stream_fn"])
+empty_cache = ctypes.CFUNCTYPE(None)(hooks["set_reset_fn"])
+"""
+
+
+def test_record_stream_and_empty_cache_reach_the_pool(fake):
+    result = run(
+        (
+            """
+        import gpupool.torch
+        gpupool.torch.install("strategy:pytorch")
+        """,
+            INSTALLED,
+            """
+        use_context()
+        side = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(side), 1) == 0
+        ptr = alloc(3 * (1 << 20), 0, None)
+        record_stream(ptr, side)           # tensor.record_stream(side)
+        launch(side.value, ptr, 3 * (1 << 20))
+        free(ptr, 3 * (1 << 20), 0, None)
+        stats = gpupool.torch.memory_stats(0)
+        pending = stats["active_bytes.all.current"] - stats["allocated_bytes.all.current"]
+        again = alloc(3 * (1 << 20), 0, None)
+        complete(side.value)
+        free(again, 3 * (1 << 20), 0, None)
+        empty_cache()                      # torch.cuda.empty_cache()
+        report(names=[installed.alloc == ctypes.cast(lib.gpupool_torch_alloc, ctypes.c_void_p).value],
+               pending=pending, reused=again == ptr, violations=violations(),
+               reserved=gpupool.torch.memory_stats(0)["reserved_bytes.all.current"], error=gpupool.torch.last_error())
+        """,
+        ),
+        fake,
+    )
+    assert result["names"] == [True]
+    assert result["pending"] == 3 * MiB, "the free waits for the side stream, as PyTorch's allocator does"
+    assert not result["reused"] and result["violations"] == 0
+    assert result["reserved"] == 0, "empty_cache returned the cached segment"
+    assert result["error"] is None
+
+
+def test_a_failed_allocation_is_thrown_not_returned_as_null(fake, caller):
+    result = run(
+        (
+            """
+        import gpupool.torch
+        gpupool.torch.install()
+        """,
+            INSTALLED,
+            f"""
+        harness = ctypes.CDLL({str(caller)!r})
+        out = ctypes.create_string_buffer(8192)
+        outcomes = {{}}
+        for name, size, device in (("fits", 1 << 20, 0), ("too big", 1 << 40, 0), ("no device", 1 << 20, 5)):
+            code = harness.call_like_pytorch(ctypes.c_void_p(installed.alloc), ctypes.c_long(size), device, out, 8192)
+            outcomes[name] = [code, out.value.decode()]
+        report(outcomes=outcomes)
+        """,
+        ),
+        fake,
+        memory=64 * MiB,
+    )
+    fits, too_big, no_device = (result["outcomes"][k] for k in ("fits", "too big", "no device"))
+    assert fits[0] == 0 and int(fits[1]) != 0
+    assert too_big[0] == 1, "out of memory is a std::bad_alloc"
+    assert too_big[1].startswith("CUDA out of memory (gpupool): out of memory on cuda:0")
+    assert "64.00 MiB" in too_big[1], "the report carries the device's capacity"
+    assert no_device[0] == 2 and "cuda:5 does not exist" in no_device[1]
+
+
+# What one allocation asks the driver for: (cuMemAllocAsync, cuMemMap, cuMemAlloc) calls, at most 1.
+ASYNC, PAGED, PLAIN = (1, 0, 0), (0, 1, 0), (0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("env", "pytorch_env", "calls"),
+    [
+        ({"GPUPOOL_ALLOC_CONF": "backend:cudaMallocAsync"}, False, ASYNC),
+        ({"GPUPOOL_ALLOC_CONF": "strategy:pytorch"}, False, PLAIN),
+        ({}, False, PAGED),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, False, PAGED),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, True, ASYNC),
+        ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, True, ASYNC),
+        ({"GPUPOOL_ALLOC_CONF": "strategy:pytorch", "PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, True, PLAIN),
+    ],
+)
+def test_install_reads_the_configuration(fake, env, pytorch_env, calls):
+    result = run(
+        (
+            f"""
+        import gpupool.torch
+        gpupool.torch.install(pytorch_env={pytorch_env})
+        """,
+            INSTALLED,
+            """
+        free(alloc(1 << 20, 0, None), 1 << 20, 0, None)
+        report(calls=[min(calls(name), 1) for name in ("cuMemAllocAsync", "cuMemMap", "cuMemAlloc_v2")])
+        """,
+        ),
+        fake,
+        env=env,
+    )
+    assert tuple(result["calls"]) == calls
+
+
+def test_a_pytorch_without_the_hooks_is_refused(fake):
+    result = run(
+        (
+            """
+        import gpupool.torch
+        try:
+            gpupool.torch.install()
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        report(error=error)
+        """,
+        ),
+        fake,
+        env={"STAND_IN_TORCH_WITHOUT_HOOKS": "1"},
+    )
+    assert "set_record_stream_fn" in result["error"] and "set_reset_fn" in result["error"]
+
+
+def test_the_cupy_allocator_serves_each_device_on_cupys_stream(fake):
+    result = run(
+        (
+            """
+        import cupy
+        import gpupool.cupy
+        malloc = gpupool.cupy.allocator()
+        first = malloc(1 << 20)
+        cupy.cuda.Device(1).use()
+        use_context(1)
+        side = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(side), 1) == 0
+        cupy.cuda.Stream(side.value).use()
+        second = malloc(1 << 20)
+        owner = second.mem.owner
+        stream = owner.__cuda_array_interface__["stream"]
+        pinned = gpupool.cupy.allocator(gpupool.Pool("cuda:0"))
+        try:
+            pinned(1 << 20)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        pool = owner.device
+        del second, owner
+        report(devices=[first.mem.device_id, pool], stream=stream == side.value, error=error)
+        """,
+        ),
+        fake,
+        device_count=2,
+    )
+    assert result["devices"] == [0, "cuda:1"] and result["stream"]
+    assert "serves cuda:0" in result["error"]
+
+
+def test_the_numba_plugin_reports_the_drivers_memory_figures(fake):
+    result = run(
+        (
+            """
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        pointer = manager.memalloc(3 << 20)
+        info = manager.get_memory_info()
+        pointer.free()
+        report(info=list(info), held=manager.pool.device_memory_held(), live=len(manager.allocations))
+        """,
+        ),
+        fake,
+        memory=256 * MiB,
+    )
+    free, total = result["info"]
+    assert total == 256 * MiB and free == total - result["held"], "cuMemGetInfo's figures"
+    assert result["live"] == 0
+
+
+def test_numba_ipc_handles_for_plain_segments_and_a_clear_refusal_for_pages(fake):
+    result = run(
+        (
+            """
+        import os
+        import gpupool.numba
+        from numba import cuda
+        outcomes = {}
+        for config in ("strategy:pytorch", ""):
+            os.environ["GPUPOOL_ALLOC_CONF"] = config
+            manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+            manager.initialize()
+            pointer = manager.memalloc(3 << 20)
+            try:
+                outcomes[config or "default"] = list(manager.get_ipc_handle(pointer))
+            except RuntimeError as e:
+                outcomes[config or "default"] = str(e)
+        plain = gpupool.Pool("cuda:0", config="strategy:pytorch")
+        a, b = plain.alloc(1 << 20), plain.alloc(1 << 20)
+        raw, offset = _native._ipc_handle(plain, b.ptr)
+        report(outcomes=outcomes, prefix=bytes(raw[:7]).decode(), offset=offset, base_offset=b.ptr - a.ptr,
+               length=len(raw))
+        """,
+        ),
+        fake,
+    )
+    assert result["outcomes"]["strategy:pytorch"] == ["ipc handle", 3 * MiB]
+    assert "strategy:pytorch" in result["outcomes"]["default"], "paged memory has no CUDA IPC handle"
+    assert result["prefix"] == "fakeipc" and result["length"] == 64
+    assert result["offset"] == result["base_offset"], "the handle is the segment's, with the block's offset"
+
+
+def test_numba_ipc_through_shareable_handles(fake):
+    result = run(
+        (
+            """
+        import os, pickle
+        os.environ["GPUPOOL_ALLOC_CONF"] = "shareable_handle:posix_fd"
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        pointer = manager.memalloc(5 << 20)
+        handle = manager.get_ipc_handle(pointer)
+        pages = len(handle.export[1])
+        received = pickle.loads(pickle.dumps(handle))  # what another process gets
+        opened = received.open(cuda.context_for(0))
+        address = opened.device_pointer.value
+        unmaps = calls("cuMemUnmap")
+        received.close()
+        report(pages=pages, exported=calls("cuMemExportToShareableHandle"),
+               imported=calls("cuMemImportFromShareableHandle"), unmapped=calls("cuMemUnmap") - unmaps,
+               address=address, own=pointer.device_pointer.value, offset=handle.offset, size=opened.size)
+        """,
+        ),
+        fake,
+    )
+    assert result["pages"] >= 3, "5 MiB spans at least three 2 MiB pages, one descriptor each"
+    assert result["exported"] == result["imported"] == result["pages"]
+    assert result["unmapped"] == result["pages"], "closing unmaps the imported pages"
+    assert result["address"] != result["own"], "mapped at an address range of the importer's own"
+    assert result["size"] == 5 * MiB
