@@ -24,8 +24,9 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 
-from pool_checks import STRATEGIES  # noqa: E402
 from test_misuse import run_machine  # noqa: E402
+
+from pool_checks import STRATEGIES  # noqa: E402
 
 PROPERTY_SUITES = ["test_pool_state_machine.py", "test_streams.py", "test_faults.py", "test_trace_mutants.py"]
 # Misuse examples per (device, strategy) and round: about half a minute each.
@@ -60,7 +61,18 @@ def property_round(seed: int, deadline: float) -> str | None:
         return None
     print("  rust property tests", flush=True)
     env = {**os.environ, "PROPTEST_CASES": "2000", "PROPTEST_RNG_SEED": str(seed)}
-    rust = ["cargo", "test", "--release", "-q", "--test", "pool_model", "--test", "stream_model", "--test", "strategies"]
+    rust = [
+        "cargo",
+        "test",
+        "--release",
+        "-q",
+        "--test",
+        "pool_model",
+        "--test",
+        "stream_model",
+        "--test",
+        "strategies",
+    ]
     child = subprocess.run(rust, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     if child.returncode != 0:
         return f"rust property tests:\n{child.stdout[-6000:]}{child.stderr[-2000:]}"
