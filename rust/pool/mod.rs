@@ -11,7 +11,10 @@ mod history;
 mod release;
 mod streams;
 
-pub use config::{parse_size, Backend, Config, ConfigError, CrossStreamReuse, Setting, Strategy, ENV_VAR};
+pub use config::{
+    parse_size, Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Setting, Strategy, ENV_VAR,
+    NO_DEVICE_MEMORY_EFFECT,
+};
 pub use error::{format_bytes, OomReport, PoolError};
 pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
@@ -53,7 +56,7 @@ impl<D: Device> Pool<D> {
         if config.cross_stream_reuse == CrossStreamReuse::Never {
             heap.keep_shared_apart();
         }
-        let expandable = config.page_size.map(Expandable::new);
+        let expandable = config.paging.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
         let mut pool =
             Pool { device, heap, deferred: Deferred::default(), config, history: None, expandable, growth, held: 0 };
@@ -226,8 +229,11 @@ impl<D: Device> Pool<D> {
             Some(a) => Ok(a),
             None => self.grow(size, stream),
         });
+        let places_by_pages = self.expandable.as_ref().is_some_and(Expandable::places_by_pages);
         let retried = match retried {
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => self.take_least_mapping(size, stream),
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) if places_by_pages => {
+                self.take_least_mapping(size, stream)
+            }
             other => other,
         };
         match retried {
@@ -243,7 +249,7 @@ impl<D: Device> Pool<D> {
         PoolError::OutOfMemory(Box::new(self.oom_report(size)))
     }
 
-    /// Expandable ranges' last resort: place the block where it needs the fewest new pages.
+    /// gpupool's pager's last resort: place the block where it needs the fewest new pages.
     fn take_least_mapping(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         let rules = self.heap.rules();
         let (rounded, oom) = (rules.round(size), PoolError::Device(DeviceError::OutOfMemory { requested: size }));
