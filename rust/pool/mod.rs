@@ -9,6 +9,7 @@ mod growth;
 mod held;
 mod history;
 mod release;
+mod seed;
 mod streams;
 
 pub use config::{
