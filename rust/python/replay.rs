@@ -8,9 +8,9 @@ use crate::trace::replay::{min_capacity as search_min_capacity, replay as run, M
 use pyo3::prelude::*;
 
 /// Enough points for a plot as wide as a screen.
-const TIMELINE_POINTS: usize = 2000;
+pub(super) const TIMELINE_POINTS: usize = 2000;
 /// The min-capacity search stops when its bounds are this close (a fraction of the answer).
-const MIN_CAPACITY_TOLERANCE: f64 = 0.005;
+pub(super) const MIN_CAPACITY_TOLERANCE: f64 = 0.005;
 
 #[pyclass(name = "ReplayResult", module = "gpupool._native", frozen)]
 pub struct PyReplayResult {
@@ -21,6 +21,21 @@ pub struct PyReplayResult {
     metrics: Metrics,
     min_capacity: Option<u64>,
     timeline: Timeline,
+}
+
+impl PyReplayResult {
+    /// A result for `trace` replayed with `config` on a `sim` device (`None`: unlimited).
+    pub(super) fn on_sim(
+        trace: &PyTrace,
+        config: &str,
+        capacity: Option<u64>,
+        metrics: Metrics,
+        min_capacity: Option<u64>,
+        timeline: Timeline,
+    ) -> Self {
+        let (trace, config, device) = (trace.name().to_string(), config.to_string(), "sim".to_string());
+        PyReplayResult { trace, config, device, capacity, metrics, min_capacity, timeline }
+    }
 }
 
 #[pymethods]
