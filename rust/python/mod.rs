@@ -31,7 +31,6 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(advise::replay_from_start, m)?)?;
     m.add_function(wrap_pyfunction!(advise::matched_in_order, m)?)?;
     m.add_function(wrap_pyfunction!(advise::inert_keys, m)?)?;
-    m.add("NO_DEVICE_MEMORY_EFFECT", crate::pool::NO_DEVICE_MEMORY_EFFECT.to_vec())?;
     cuda::register(m)?;
     Ok(())
 }
