@@ -3,6 +3,8 @@
 from importlib.metadata import version
 
 from gpupool import _native
+from gpupool._advice.advice import Advice
+from gpupool._advice.analysis import advise, advise_each
 from gpupool._native import (
     Device,
     DevicePtr,
@@ -16,6 +18,7 @@ from gpupool._view import View
 from gpupool.trace import ReplayResult, Trace, replay
 
 __all__ = [
+    "Advice",
     "Device",
     "DevicePtr",
     "OutOfMemoryError",
@@ -24,6 +27,8 @@ __all__ = [
     "Stream",
     "Trace",
     "View",
+    "advise",
+    "advise_each",
     "cuda_available",
     "device_count",
     "format_memory_summary",
