@@ -48,9 +48,16 @@ pub fn replay_from_start(
             let mut timeline = Timeline::new(events.events().len(), TIMELINE_POINTS);
             let mut pool = Pool::new(Sim::new(capacity.unwrap_or(u64::MAX)), parsed.clone());
             let run = start::replay_from_start(&events, &segments, &mut pool, Some(&mut timeline), decisions)?;
-            let min = min_capacity
-                .then(|| start::min_capacity_from_start(&events, &segments, &parsed, MIN_CAPACITY_TOLERANCE))
-                .transpose()?;
+            let min = if min_capacity {
+                // An unlimited run is the search's first step; after a limited one it is redone.
+                let unlimited = match capacity {
+                    None => run.metrics.clone(),
+                    Some(_) => start::replay_from_start_sim(&events, &segments, &parsed, u64::MAX)?.metrics,
+                };
+                Some(start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, MIN_CAPACITY_TOLERANCE)?)
+            } else {
+                None
+            };
             Ok((run, timeline, min))
         })
         .map_err(pool_error)?;

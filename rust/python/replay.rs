@@ -4,7 +4,7 @@ use super::device::{capacity_arg, open_device};
 use super::error::{pool_error, value_error};
 use super::trace::PyTrace;
 use crate::pool::{Config, Pool};
-use crate::trace::replay::{min_capacity as search_min_capacity, replay as run, Metrics, Timeline};
+use crate::trace::replay::{min_capacity as search_min_capacity, min_capacity_after, replay as run, Metrics, Timeline};
 use pyo3::prelude::*;
 
 /// Enough points for a plot as wide as a screen.
@@ -164,12 +164,17 @@ pub fn replay(
         _ => open_device(device, capacity)?,
     };
     let events = trace.trace.clone();
+    // The replay itself is the search's unlimited one when it ran on an unlimited `sim`.
+    let unlimited = device == "sim" && capacity.is_none();
     let (metrics, min_capacity, timeline) = py
         .detach(move || {
             let mut timeline = Timeline::new(events.events().len(), TIMELINE_POINTS);
             let metrics = run(&events, &mut Pool::new(backend, parsed.clone()), Some(&mut timeline))?;
-            let min =
-                min_capacity.then(|| search_min_capacity(&events, &parsed, MIN_CAPACITY_TOLERANCE)).transpose()?;
+            let min = match (min_capacity, unlimited) {
+                (false, _) => None,
+                (true, true) => Some(min_capacity_after(&events, &parsed, &metrics, MIN_CAPACITY_TOLERANCE)?),
+                (true, false) => Some(search_min_capacity(&events, &parsed, MIN_CAPACITY_TOLERANCE)?),
+            };
             Ok((metrics, min, timeline))
         })
         .map_err(pool_error)?;

@@ -87,6 +87,8 @@ pub(super) struct Cursor {
     pub handles: Vec<Option<Handle>>,
     ooms: u64,
     allocations: u64,
+    /// Stop once more allocations than this failed: a capacity probe needs no more.
+    ooms_allowed: Option<u64>,
 }
 
 impl Cursor {
@@ -98,7 +100,17 @@ impl Cursor {
             .iter()
             .map(|&s| if s == 0 { Ok(DEFAULT_STREAM) } else { pool.create_stream() })
             .collect::<Result<Vec<StreamId>, _>>()?;
-        Ok(Cursor { streams, handles: vec![None; trace.allocations()], ooms: 0, allocations: 0 })
+        Ok(Cursor { streams, handles: vec![None; trace.allocations()], ooms: 0, allocations: 0, ooms_allowed: None })
+    }
+
+    /// Makes [`Cursor::run`] stop at the allocation that fails beyond `allowed`.
+    pub fn stop_after_ooms(&mut self, allowed: u64) {
+        self.ooms_allowed = Some(allowed);
+    }
+
+    /// Whether more allocations failed than allowed (the replay stopped there).
+    pub fn failed(&self) -> bool {
+        self.ooms_allowed.is_some_and(|allowed| self.ooms > allowed)
     }
 
     /// Runs the trace's events `from..` on `pool`.
@@ -113,7 +125,12 @@ impl Cursor {
             match e.action {
                 // A zero-byte allocation holds no memory.
                 Action::Alloc if e.size == 0 => {}
-                Action::Alloc => self.alloc(pool, e.slot, e.size, e.stream)?,
+                Action::Alloc => {
+                    self.alloc(pool, e.slot, e.size, e.stream)?;
+                    if self.failed() {
+                        return Ok(());
+                    }
+                }
                 Action::Free => {
                     if let Some(handle) = self.handles[e.slot as usize].take() {
                         pool.free(handle)?;
@@ -179,12 +196,31 @@ pub fn replay_sim(trace: &Trace, config: &Config, capacity: u64) -> Result<Metri
     replay(trace, &mut Pool::new(Sim::new(capacity), config.clone()), None)
 }
 
+/// Whether `trace` replays on a `sim` device of `capacity` bytes with at most `ooms` failed
+/// allocations; stops at the first failure beyond them.
+fn fits_sim(trace: &Trace, config: &Config, capacity: u64, ooms: u64) -> Result<bool, PoolError> {
+    let mut pool = Pool::new(Sim::new(capacity), config.clone());
+    let mut cursor = Cursor::new(trace, &mut pool)?;
+    cursor.stop_after_ooms(ooms);
+    cursor.run(trace, &mut pool, 0, None)?;
+    Ok(!cursor.failed())
+}
+
 /// The smallest `sim` capacity on which `trace` replays without an OOM, to within `tolerance`
 /// (a fraction of the answer). See [`bisect_capacity`].
 pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<u64, PoolError> {
-    let unlimited = replay_sim(trace, config, u64::MAX)?;
+    min_capacity_after(trace, config, &replay_sim(trace, config, u64::MAX)?, tolerance)
+}
+
+/// [`min_capacity`], given what a replay on an unlimited `sim` device measured.
+pub fn min_capacity_after(
+    trace: &Trace,
+    config: &Config,
+    unlimited: &Metrics,
+    tolerance: f64,
+) -> Result<u64, PoolError> {
     // Requests no device could hold fail everywhere; they do not count against a capacity.
-    let fits_on = |capacity| replay_sim(trace, config, capacity).map(|m| m.ooms <= unlimited.ooms);
+    let fits_on = |capacity| fits_sim(trace, config, capacity, unlimited.ooms);
     bisect_capacity(fits_on, trace.peak_live_bytes(), unlimited.peak_reserved_bytes, tolerance)
 }
 

@@ -46,7 +46,23 @@ pub fn replay_from_start<D: Device>(
     timeline: Option<&mut Timeline>,
     decisions: bool,
 ) -> Result<FromStart, PoolError> {
+    replay_with(trace, start, pool, timeline, decisions, None).map(|(from_start, _)| from_start)
+}
+
+/// [`replay_from_start`], stopped at the first failed allocation beyond `ooms_allowed` if
+/// given; also says whether it stopped so.
+fn replay_with<D: Device>(
+    trace: &Trace,
+    start: &[StartSegment],
+    pool: &mut Pool<D>,
+    timeline: Option<&mut Timeline>,
+    decisions: bool,
+    ooms_allowed: Option<u64>,
+) -> Result<(FromStart, bool), PoolError> {
     let mut cursor = Cursor::new(trace, pool)?;
+    if let Some(allowed) = ooms_allowed {
+        cursor.stop_after_ooms(allowed);
+    }
     let mut segments: Vec<StartSegment> = start.to_vec();
     segments.sort_by_key(|s| s.address);
     // From the highest address down: the free space after each block is then the recorded
@@ -86,6 +102,10 @@ pub fn replay_from_start<D: Device>(
     for e in &unplaced {
         cursor.alloc(pool, e.slot, e.size, e.stream)?;
     }
+    if cursor.failed() {
+        let metrics = cursor.metrics(trace, pool, 0.0);
+        return Ok((FromStart { metrics, segment_events: Vec::new(), unplaced: unplaced.len() }, true));
+    }
     if decisions {
         // Every event but the prelude adds at most three entries (alloc or the two of a free).
         pool.record_history(Some(3 * trace.events().len() + 16));
@@ -95,7 +115,7 @@ pub fn replay_from_start<D: Device>(
     let metrics = cursor.metrics(trace, pool, began.elapsed().as_secs_f64());
     let segment_events = pool.history().map(segment_decisions).unwrap_or_default();
     pool.record_history(None);
-    Ok(FromStart { metrics, segment_events, unplaced: unplaced.len() })
+    Ok((FromStart { metrics, segment_events, unplaced: unplaced.len() }, cursor.failed()))
 }
 
 fn segment_decisions(history: &crate::pool::History) -> Vec<(HistoryAction, u64)> {
@@ -125,16 +145,19 @@ pub fn replay_from_start_sim(
 }
 
 /// The smallest `sim` capacity on which the history runs from the recorded start without an
-/// OOM, to within `tolerance`: the search of [`bisect_capacity`] over seeded replays.
+/// OOM, to within `tolerance`, given what an unlimited replay from there measured: the search
+/// of [`bisect_capacity`] over seeded replays, each stopped at its first failure.
 pub fn min_capacity_from_start(
     trace: &Trace,
     start: &[StartSegment],
     config: &Config,
+    unlimited: &Metrics,
     tolerance: f64,
 ) -> Result<u64, PoolError> {
-    let unlimited = replay_from_start_sim(trace, start, config, u64::MAX)?.metrics;
-    let fits_on =
-        |capacity| replay_from_start_sim(trace, start, config, capacity).map(|r| r.metrics.ooms <= unlimited.ooms);
+    let fits_on = |capacity| {
+        let mut pool = Pool::new(Sim::new(capacity), config.clone());
+        replay_with(trace, start, &mut pool, None, false, Some(unlimited.ooms)).map(|(_, failed)| !failed)
+    };
     bisect_capacity(fits_on, trace.peak_live_bytes(), unlimited.peak_reserved_bytes, tolerance)
 }
 
@@ -216,7 +239,7 @@ mod tests {
         let config = Config::parse("strategy:pytorch,cross_stream_reuse:never").unwrap();
         let unlimited = replay_from_start_sim(&trace, &start, &config, u64::MAX).unwrap();
         assert_eq!(unlimited.metrics.peak_reserved_bytes, 84 * MIB, "the 30 MiB request fits the cached 64 MiB");
-        let min = min_capacity_from_start(&trace, &start, &config, 0.005).unwrap();
+        let min = min_capacity_from_start(&trace, &start, &config, &unlimited.metrics, 0.005).unwrap();
         assert!((50 * MIB..=51 * MIB).contains(&min), "20 MiB live segment + a 30 MiB one: {min}");
         assert_eq!(replay_from_start_sim(&trace, &start, &config, min).unwrap().metrics.ooms, 0);
         let short = replay_from_start_sim(&trace, &start, &config, 19 * MIB).unwrap();
