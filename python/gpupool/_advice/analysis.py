@@ -27,8 +27,10 @@ def _replay_all(
     options: Sequence[_candidates.Candidate],
     state: start.StartState,
     progress: Progress | None,
+    workers: int | None = None,
 ) -> list[tuple[Any, list[tuple[str, int]]]]:
-    """Every candidate with its min-capacity search, one thread per core: PyTorch's plain
+    """Every candidate with its min-capacity search, on ``workers`` threads (one per core by
+    default): PyTorch's plain
     segments from the recorded start (the as-run one with its segment decisions), the others
     from the blocks live at the start."""
     segments = [(s.address, s.size, s.small, s.stream) for s in state.segments]
@@ -41,7 +43,7 @@ def _replay_all(
 
     if progress:
         progress(0, len(options), "replaying")
-    workers = max(1, min(len(options), os.cpu_count() or 1))
+    workers = max(1, min(len(options), workers or os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as executor:
         futures = [executor.submit(run, c) for c in options]
         results = []
@@ -211,6 +213,13 @@ def _capacity(capacity: int | str | None) -> int | None:
 
 def advise_each(source: Any, capacity: int | str | None = None, progress: Progress | None = None) -> list[Advice]:
     """The advice for every device of ``source`` (see ``advise``) that has a history or segments."""
+    # Advice builds plain data only; a million-event snapshot is millions of objects that the
+    # cyclic collector would otherwise walk again and again.
+    with gtrace._no_cycle_collection():
+        return _advise_each(source, capacity, progress)
+
+
+def _advise_each(source: Any, capacity: int | str | None, progress: Progress | None) -> list[Advice]:
     loaded = load(source)
     if not loaded.devices:
         raise ValueError(f"{loaded.name}: no device has a history or segments")
@@ -228,6 +237,11 @@ def advise(source: Any, capacity: int | str | None = None, device: int | None = 
     snapshot dict, or a ``gpupool.Trace``. ``capacity`` (bytes or a size such as ``"80GiB"``)
     adds whether each configuration fits that device. A snapshot of several devices needs
     ``device``; ``advise_each`` advises them all."""
+    with gtrace._no_cycle_collection():
+        return _advise_one(source, capacity, device)
+
+
+def _advise_one(source: Any, capacity: int | str | None, device: int | None) -> Advice:
     loaded = load(source)
     records = [r for r in loaded.devices if device is None or r.device == device]
     if not records:
