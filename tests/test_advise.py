@@ -104,7 +104,7 @@ def _rebuild(name: str, device: int = 0):
     return trace, [(s.address, s.size, s.small, s.stream) for s in state.segments]
 
 
-@pytest.mark.parametrize("name", [WITH_SEGMENT_EVENTS, "bcrafton__memory_snapshot.pickle", SEGMENTS_ONLY[0]])
+@pytest.mark.parametrize("name", shared_names())
 def test_every_recommendation_runs_at_its_minimum_capacity(name):
     trace, segments = _rebuild(name)
     [advice] = advise_all(name)

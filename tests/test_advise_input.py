@@ -64,6 +64,19 @@ def test_oom_entries_and_unknown_actions_are_reported_not_fatal(tmp_path):
     assert advice.as_run.min_capacity_bytes < 1 << 30, "the recorded failure is not attempted again"
 
 
+def test_expandable_runs_and_graph_pools_are_said_to_be_approximated(tmp_path):
+    entries, segments = warmed_up()
+    segments[1]["segment_pool_id"] = (1, 0)
+    recorded = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "expandable_segments": True}
+    advice = gpupool.advise(
+        write(tmp_path, {"device_traces": [entries], "segments": segments, "allocator_settings": recorded})
+    )
+    assert advice.as_run.gpupool_config.startswith("strategy:expandable")
+    assert advice.recorded.replayed_from == "live blocks" and advice.recorded.segment_decisions_matched is None
+    assert any("replayed from their live blocks" in note for note in advice.notes)
+    assert any("1 segments (0.02 GiB) belong to private pools" in note for note in advice.notes)
+
+
 def test_a_csv_and_a_loaded_trace_are_advised_too(tmp_path):
     csv = tmp_path / "job.csv"
     csv.write_text(

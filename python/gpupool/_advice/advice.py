@@ -108,7 +108,10 @@ class Advice:
 
     trace: str
     device: int
+    # The replayed trace's events: first one allocation per block live when recording began
+    # (``history_start`` of them), then the recorded history.
     events: int
+    history_start: int
     peak_live_bytes: int
     # "history" (allocations recorded) or "segments" (only the final segments: the figures are
     # for holding the blocks live at the snapshot).
@@ -130,6 +133,7 @@ class Advice:
             "trace": self.trace,
             "device": self.device,
             "events": self.events,
+            "history_start": self.history_start,
             "peak_live_bytes": self.peak_live_bytes,
             "scope": self.scope,
             "capacity_bytes": self.capacity_bytes,

@@ -113,6 +113,13 @@ def _start_notes(record: DeviceRecord, state: start.StartState, scope: str) -> l
         )
     if state.stray_blocks:
         notes.append(f"{state.stray_blocks} live blocks lie outside every segment the snapshot lists.")
+    private = [s for s in record.segments if s.private]
+    if private:
+        held = sum(s.size for s in private) / GiB
+        notes.append(
+            f"{len(private)} segments ({held:.2f} GiB) belong to private pools (CUDA graphs); replays treat "
+            "their free space as the default pool's, so they may reuse memory PyTorch kept for the graphs."
+        )
     failures = sum(1 for row in record.rows if row[0] == "oom")
     if failures:
         notes.append(f"The recorded run hit {failures} out-of-memory errors; replays skip those requests as it did.")
@@ -178,6 +185,7 @@ def advise_device(
         trace=name,
         device=record.device,
         events=len(trace),
+        history_start=len(state.blocks),
         peak_live_bytes=trace.peak_live_bytes,
         scope=scope,
         capacity_bytes=capacity,

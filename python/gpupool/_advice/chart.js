@@ -19,7 +19,7 @@
     const canvas = box.querySelector("canvas");
     const tip = box.querySelector(".tip");
     const series = advice.series.map((s, k) => Object.assign({ color: COLORS[k % COLORS.length] }, s));
-    const full = { x0: 0, x1: Math.max(advice.events, 1) };
+    const full = { x0: Math.min(advice.history_start, advice.events - 1), x1: Math.max(advice.events, 1) };
     let view = Object.assign({}, full);
     legend(box.querySelector(".legend"), series, draw);
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -14,7 +15,8 @@ from gpupool._advice.advice import Advice, CandidateResult, Recommendation
 from gpupool._advice.table import _Units
 
 STYLE = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1100px; color: #1d2430; }
+body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1100px; padding: 0 20px;
+  color: #1d2430; }
 h1 { font-size: 20px; margin-bottom: 4px; } h2 { font-size: 16px; margin: 22px 0 6px; }
 .answer { background: #eef6ee; border: 1px solid #9cc79c; border-radius: 6px; padding: 10px 14px; }
 .answer code { font-size: 15px; font-weight: 600; }
@@ -48,6 +50,8 @@ def _chart_data(advice: Advice, units: _Units) -> dict[str, Any]:
     return {
         "unit": units.name,
         "events": advice.events,
+        # Before it, replays only allocate the blocks live when recording began: not the job.
+        "history_start": advice.history_start if advice.scope == "history" else 0,
         "series": series,
         "live": {"x": x, "y": [round(v / units.scale, 3) for v in live]},
     }
@@ -102,12 +106,13 @@ def _section(advice: Advice, index: int) -> str:
     what = "the recorded history" if advice.scope == "history" else "the blocks live at the snapshot"
     return f"""
 <section>
-<h1>{html.escape(advice.trace)}, device {advice.device}</h1>
-<p>{advice.events:,} events; peak live {units(advice.peak_live_bytes)}</p>
+<h1>{html.escape(os.path.basename(advice.trace))}, device {advice.device}</h1>
+<p>{html.escape(advice.trace)}: {advice.events - advice.history_start:,} events recorded, peak live
+{units(advice.peak_live_bytes)}</p>
 <div class="answer" id="recommendation-{index}"><h2>The answer</h2>
 {_answer(advice.recommended["pytorch"], units)}{_answer(advice.recommended["gpupool"], units)}</div>
 {_recorded(advice, units)}
-<h2>Reserved memory of each configuration, and live memory, over the trace</h2>
+<h2>Reserved memory of each configuration, and live memory, over the recorded history</h2>
 <div class="chart" id="chart-{index}"><div class="legend"></div><canvas></canvas><div class="tip"></div></div>
 <p class="hint">Wheel: zoom; drag: pan; double-click: whole trace; tick a configuration to draw it.</p>
 <h2>Every configuration (min capacity: the smallest device that runs {what})</h2>

@@ -50,6 +50,8 @@ class Segment:
     stream: int
     expandable: bool
     blocks: list[Block] = field(default_factory=list)
+    # In a private pool (a CUDA graph's), whose free space serves only that pool.
+    private: bool = False
 
 
 @dataclass
@@ -119,6 +121,7 @@ def _segments(snapshot: Mapping[str, Any], name: str) -> dict[int, list[Segment]
         kind = segment.get("segment_type")
         small = kind == "small" if kind in ("small", "large") else size <= SMALL_SEGMENT
         stream = _int(segment.get("stream", 0), "stream", where)
+        pool_id = segment.get("segment_pool_id")
         parsed = Segment(
             _int(segment.get("address"), "address", where),
             size,
@@ -126,6 +129,7 @@ def _segments(snapshot: Mapping[str, Any], name: str) -> dict[int, list[Segment]
             stream,
             bool(segment.get("is_expandable", False)),
             _blocks(segment, where),
+            private=isinstance(pool_id, (tuple, list)) and any(pool_id),
         )
         by_device.setdefault(device, []).append(parsed)
     return by_device

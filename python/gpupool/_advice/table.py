@@ -114,8 +114,11 @@ def report(advice: Advice) -> str:
     size = _Units(advice.peak_live_bytes)
     title = _tail(f"{advice.trace}, device {advice.device}", WIDTH)
     lines = [title, "=" * len(title)]
-    what = "allocation history" if advice.scope == "history" else "no history, final segments only"
-    lines.append(f"{advice.events:,} events ({what}); peak live {size(advice.peak_live_bytes)}")
+    recorded, before, live = advice.events - advice.history_start, advice.history_start, size(advice.peak_live_bytes)
+    if advice.scope == "history":
+        lines.append(f"{recorded:,} events recorded, {before:,} blocks live before; peak live {live}")
+    else:
+        lines.append(f"No history: {before:,} blocks live at the snapshot, {live}")
     lines += _recorded(advice, size)
     lines += _table(advice, size)
     what = "runs the recorded history" if advice.scope == "history" else "holds the blocks live at the snapshot"
