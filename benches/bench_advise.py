@@ -5,9 +5,10 @@ training-like loop (activations of several sizes per layer, freed in reverse in 
 pass, small tensors, a few big ones), recording begins after a warm-up step, and the result is
 pickled in PyTorch's format with recorded settings that differ from the defaults, so that the
 advice replays twenty configurations (what ran, fourteen stock PyTorch settings, five gpupool
-strategies). The time is wall clock for loading the pickle and advising, median of ``--repeat``;
-then the replays alone on one thread and on one per core, which shows that they run in
-parallel (the native replay releases the GIL).
+strategies). The time is wall clock for loading the pickle and advising, median of ``--repeat``,
+with the loading alone; then the replays alone on one thread and on one per core; then how fast
+a Python loop runs in one thread while another replays the trace natively (as fast as alone:
+the replay releases the GIL).
 
     .venv/bin/python benches/bench_advise.py --events 1000000 --repeat 5
 """
@@ -20,6 +21,7 @@ import pickle
 import random
 import statistics
 import tempfile
+import threading
 import time
 
 import gpupool
@@ -76,26 +78,60 @@ def main() -> None:
         path = os.path.join(tmp, "job.pickle")
         with open(path, "wb") as out:
             pickle.dump(snapshot(args.events), out, protocol=pickle.HIGHEST_PROTOCOL)
-        times = []
+        times, loads = [], []
         for _ in range(args.repeat):
             began = time.perf_counter()
             [advice] = gpupool.advise_each(path)
             times.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            analysis.load(path)
+            loads.append(time.perf_counter() - began)
         threads = replays_by_threads(path)
+        alone, beside = loop_speed(path)
     print(f"gpupool advise: {advice.events:,} events, {len(advice.candidates)} configurations, {os.cpu_count()} cores")
     print(f"median {statistics.median(times):.2f} s of {args.repeat} (min {min(times):.2f}, max {max(times):.2f})")
+    print(f"of which loading (unpickle, check entries): median {statistics.median(loads):.2f} s")
     for workers, seconds in threads.items():
         print(f"replays alone on {workers} thread(s): {seconds:.2f} s")
+    print(f"a Python loop: {alone / 1e6:.1f} M iterations/s alone, {beside / 1e6:.1f} M/s beside a native replay")
 
 
-def replays_by_threads(path: str) -> dict[int, float]:
-    """Seconds the candidates' replays take on one thread and on one per core."""
+def _native_trace(path: str) -> tuple[_native.Trace, start.StartState, list[candidates.Candidate]]:
     loaded = analysis.load(path)
     record = loaded.devices[0]
     state = start.starting_state(record.rows, record.segments)
     before = [(b.address, b.requested, b.stream) for b in state.blocks]
     trace = _native.Trace.from_snapshot_entries(path, record.rows, before)
-    options = candidates.candidates(settings.from_recorded(loaded.settings).env)
+    return trace, state, candidates.candidates(settings.from_recorded(loaded.settings).env)
+
+
+def loop_speed(path: str) -> tuple[float, float]:
+    """Iterations per second of a Python loop alone, and while another thread replays."""
+    trace = _native_trace(path)[0]
+    count, began = 0, time.perf_counter()
+    while time.perf_counter() - began < 0.5:
+        count += 1
+    alone = count / (time.perf_counter() - began)
+    done = threading.Event()
+
+    def replay() -> None:
+        for _ in range(3):
+            _native.replay(trace, "strategy:pytorch")
+        done.set()
+
+    worker = threading.Thread(target=replay)
+    count, began = 0, time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        count += 1
+    beside = count / (time.perf_counter() - began)
+    worker.join()
+    return alone, beside
+
+
+def replays_by_threads(path: str) -> dict[int, float]:
+    """Seconds the candidates' replays take on one thread and on one per core."""
+    trace, state, options = _native_trace(path)
     seconds = {}
     for workers in sorted({1, os.cpu_count() or 1}):
         began = time.perf_counter()

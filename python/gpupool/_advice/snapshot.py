@@ -147,7 +147,7 @@ def _fast_row(entry: Any) -> Row | None:
     return None
 
 
-_FAST_ACTIONS = frozenset(("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free"))
+_FAST_ACTIONS = frozenset(("alloc", "free_completed", "segment_alloc", "segment_free"))
 
 
 def _device_rows(entries: list[Any], where: str) -> tuple[list[Row], dict[int, Sequence[Any]], dict[str, int]]:
@@ -157,6 +157,9 @@ def _device_rows(entries: list[Any], where: str) -> tuple[list[Row], dict[int, S
     entry_row = _trace._entry_row
     for index, entry in enumerate(entries):
         action = entry.get("action") if isinstance(entry, Mapping) else None
+        # A block is reusable when its free completes; the request to free it changes nothing.
+        if action == "free_requested":
+            continue
         row = _fast_row(entry) if action in _FAST_ACTIONS else None
         if row is None:
             if isinstance(action, str) and action not in KNOWN_ACTIONS:
