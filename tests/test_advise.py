@@ -167,3 +167,12 @@ def test_the_table_says_what_it_measured():
     assert "peak reserved: recorded 18.32 GiB, replayed 18.32 GiB (+0.0%)" in text
     assert "segment decisions reproduced in order: 289 of 289 recorded" in text
     assert "Recording began mid-run: 324 blocks" in text
+
+
+def test_a_recommendation_that_needs_more_says_so():
+    import dataclasses
+
+    [advice] = advise_all(WITH_SEGMENT_EVENTS)
+    worse = dataclasses.replace(advice.recommended["gpupool"], saved_bytes=-GiB // 4, saved_fraction=-0.0136)
+    advice.recommended["gpupool"] = worse
+    assert "needs 0.25 GiB (1.4%) more than what you ran" in report(advice)

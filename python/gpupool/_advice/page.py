@@ -62,6 +62,8 @@ def _answer(r: Recommendation, units: _Units) -> str:
     saving = f"saves {units(r.saved_bytes)} ({r.saved_fraction:.1%}) against what you ran"
     if r.family == "pytorch" and r.saved_bytes <= 0:
         saving = "no stock setting needs less than what you ran"
+    elif r.saved_bytes < 0:
+        saving = f"needs {units(-r.saved_bytes)} ({-r.saved_fraction:.1%}) more than what you ran"
     return (
         f"<p><b>{who}:</b> <code>{html.escape(r.env)}</code><br>"
         f"needs a device of {units(r.min_capacity_bytes)}; {html.escape(saving)}</p>"

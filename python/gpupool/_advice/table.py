@@ -89,6 +89,8 @@ def _answer(r: Recommendation, advice: Advice, size: _Units) -> list[str]:
     who = "PyTorch" if r.family == "pytorch" else "gpupool"
     if r.saved_bytes <= 0 and r.family == "pytorch":
         saving = "no stock setting needs less than what you ran"
+    elif r.saved_bytes < 0:
+        saving = f"needs {size(-r.saved_bytes)} ({-r.saved_fraction:.1%}) more than what you ran"
     else:
         saving = f"saves {size(r.saved_bytes)} ({r.saved_fraction:.1%}) against what you ran"
     lines = [f"  {who + ':':<9}{env}", f"{'':11}needs {size(r.min_capacity_bytes)}; {saving}"]
