@@ -46,7 +46,7 @@ fn replay_bench(c: &mut Criterion) {
         let label = name.trim_end_matches(".csv.gz");
         group.throughput(Throughput::Elements(trace.events().len() as u64));
         // Every strategy on the same trace: what `gpupool replay` measures, side by side.
-        for strategy in ["default", "pytorch", "expandable", "bfc", "arena", "eager", "direct"] {
+        for strategy in ["default", "pytorch", "expandable", "pages", "bfc", "arena", "eager", "direct"] {
             let config = Config::parse(&format!("strategy:{strategy}")).unwrap();
             group.bench_function(BenchmarkId::new(format!("trace::replay/{strategy}"), label), |b| {
                 b.iter(|| replay::replay(&trace, &mut Pool::new(Sim::new(1 << 40), config.clone()), None).unwrap())

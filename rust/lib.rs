@@ -22,7 +22,7 @@
 //!   requested = what users asked for, before rounding.
 //! - **rules**: the data that makes a strategy (rounding, segment sizes, when to split).
 //! - **strategy**: a named preset of rules and growth/release behaviour over the one engine
-//!   (`default`, `pytorch`, `bfc`, `arena`, `eager`, `expandable`, `direct`).
+//!   (`default`, `pytorch`, `bfc`, `arena`, `eager`, `expandable`, `pages`, `direct`).
 //!
 //! # Layers
 //! [`core`] is the safe, device-free algorithm over addresses and sizes; [`device`] holds the

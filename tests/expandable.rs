@@ -1,5 +1,7 @@
-//! Expandable segments: random programs keep every invariant, data stays intact, and freed
-//! holes stop costing memory once their pages are unmapped.
+//! Paged strategies: random programs keep every invariant and data stays intact under PyTorch's
+//! expandable segments (`expandable`, 20 MiB / 2 MiB handles) and gpupool's pager (`pages`);
+//! handles map and unmap as PyTorch's do, and the pager's freed holes stop costing memory once
+//! their pages are unmapped.
 
 use gpupool::core::{Metric, StatType};
 use gpupool::device::{Device, Host, Sim};
@@ -9,8 +11,8 @@ use std::collections::BTreeMap;
 
 const MIB: u64 = 1 << 20;
 
-fn config() -> Config {
-    Config::parse("strategy:expandable").unwrap()
+fn config(strategy: &str) -> Config {
+    Config::parse(&format!("strategy:{strategy}")).unwrap()
 }
 
 fn reserved<D: Device>(pool: &Pool<D>) -> u64 {
@@ -81,20 +83,22 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn sim_programs_keep_invariants(ops in ops()) {
-        run(Pool::new(Sim::new(160 * MIB), config()), &ops, false);
+    fn sim_programs_keep_invariants(ops in ops(), pages in any::<bool>()) {
+        let strategy = if pages { "pages" } else { "expandable" };
+        run(Pool::new(Sim::new(160 * MIB), config(strategy)), &ops, false);
     }
 
     #[test]
-    fn host_programs_keep_data(ops in ops()) {
-        run(Pool::new(Host::new(Some(160 * MIB)), config()), &ops, true);
+    fn host_programs_keep_data(ops in ops(), pages in any::<bool>()) {
+        let strategy = if pages { "pages" } else { "expandable" };
+        run(Pool::new(Host::new(Some(160 * MIB)), config(strategy)), &ops, true);
     }
 }
 
 #[test]
 fn allocation_order_no_longer_changes_reservation() {
     // PyTorch reserves 256 MiB for 8 x 16 MiB then 4 x 32 MiB; one address range needs 128.
-    let mut pool = Pool::new(Sim::new(1 << 40), config());
+    let mut pool = Pool::new(Sim::new(1 << 40), config("pages"));
     let mut maps = Vec::new();
     for (size, count) in [(16, 8), (32, 4)] {
         let live: Vec<_> = (0..count).map(|_| pool.alloc(size * MIB).unwrap()).collect();
@@ -110,7 +114,7 @@ fn allocation_order_no_longer_changes_reservation() {
 fn holes_are_unmapped_under_pressure() {
     // Every other 8 MiB block freed leaves 8 MiB holes no 12 MiB request fits; with plain
     // segments this capacity would be exhausted, here the holes' pages move to the new block.
-    let mut pool = Pool::new(Sim::new(72 * MIB), config());
+    let mut pool = Pool::new(Sim::new(72 * MIB), config("pages"));
     let blocks: Vec<_> = (0..8).map(|_| pool.alloc(8 * MIB).unwrap()).collect();
     for a in blocks.iter().step_by(2) {
         pool.free(a.handle).unwrap();
@@ -120,4 +124,52 @@ fn holes_are_unmapped_under_pressure() {
     assert!(pool.stats().num_device_unmap >= 1);
     pool.check_invariants().unwrap();
     pool.free(big.handle).unwrap();
+}
+
+/// PyTorch maps whole handles: 20 MiB in the large pool, 2 MiB in the small one.
+#[test]
+fn expandable_maps_whole_handles() {
+    let mut pool = Pool::new(Sim::new(1 << 40), config("expandable"));
+    let small = pool.alloc(4096).unwrap();
+    assert_eq!(reserved(&pool), 2 * MIB);
+    let large = pool.alloc(21 * MIB).unwrap();
+    assert_eq!(reserved(&pool), 2 * MIB + 40 * MIB, "21 MiB spans two 20 MiB handles");
+    let next = pool.alloc(18 * MIB).unwrap();
+    assert_eq!(reserved(&pool), 2 * MIB + 40 * MIB, "the second handle's free 19 MiB holds 18 MiB");
+    for a in [small, large, next] {
+        pool.free(a.handle).unwrap();
+    }
+    pool.check_invariants().unwrap();
+}
+
+/// Frees never unmap, even a whole free handle; `empty_cache` unmaps every handle wholly inside
+/// free space, and only whole handles.
+#[test]
+fn expandable_unmaps_only_whole_free_handles_on_empty_cache() {
+    let mut pool = Pool::new(Sim::new(1 << 40), config("expandable"));
+    let blocks: Vec<_> = (0..4).map(|_| pool.alloc(15 * MIB).unwrap()).collect();
+    assert_eq!(reserved(&pool), 60 * MIB);
+    // Free the middle two: [0, 15) and [45, 60) stay live, [15, 45) is free; only the handle
+    // [20, 40) lies wholly inside it.
+    pool.free(blocks[1].handle).unwrap();
+    pool.free(blocks[2].handle).unwrap();
+    assert_eq!((reserved(&pool), pool.stats().num_device_unmap), (60 * MIB, 0), "frees keep handles mapped");
+    pool.empty_cache().unwrap();
+    assert_eq!(reserved(&pool), 40 * MIB);
+    pool.check_invariants().unwrap();
+    // The gpupool pager unmaps page by page: the 2 MiB pages inside [15, 45) go, 28 MiB.
+    let mut pager = Pool::new(Sim::new(1 << 40), config("pages"));
+    let blocks: Vec<_> = (0..4).map(|_| pager.alloc(15 * MIB).unwrap()).collect();
+    pager.free(blocks[1].handle).unwrap();
+    pager.free(blocks[2].handle).unwrap();
+    pager.empty_cache().unwrap();
+    assert_eq!(reserved(&pager), 60 * MIB - 28 * MIB);
+}
+
+#[test]
+fn page_size_overrides_both_handle_sizes() {
+    let mut pool = Pool::new(Sim::new(1 << 40), Config::parse("strategy:expandable,page_size_mb:4").unwrap());
+    pool.alloc(4096).unwrap();
+    pool.alloc(5 * MIB).unwrap();
+    assert_eq!(reserved(&pool), 4 * MIB + 8 * MIB);
 }

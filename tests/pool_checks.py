@@ -15,7 +15,7 @@ MiB = 1 << 20
 EXAMPLES_SCALE = {"ci": 1, "thorough": 5, "fuzz": 10}[os.environ.get("HYPOTHESIS_PROFILE", "ci")]
 
 # Every strategy the contract suites run against (add "default" once it parses).
-STRATEGIES = ("default", "pytorch", "bfc", "arena", "eager", "direct", "expandable")
+STRATEGIES = ("default", "pytorch", "bfc", "arena", "eager", "direct", "expandable", "pages")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ RULES = {
     "arena": SizeRules(512, small_pool=False, fixed_segments=False),
     "eager": SizeRules(512, small_pool=False, fixed_segments=True),
     "direct": SizeRules(512, small_pool=False, fixed_segments=False),
-    "expandable": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB),
+    # PyTorch's handles: 20 MiB in the large pool (pool.config's page_size_mb), 2 MiB small.
+    "expandable": SizeRules(512, small_pool=True, fixed_segments=False, page_size=20 * MiB),
+    "pages": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB),
     "default": SizeRules(512, small_pool=False, fixed_segments=False, page_size=2 * MiB),
 }
 

@@ -63,7 +63,7 @@ impl Shadow {
 }
 
 /// Every strategy the engine offers; `default` joins once it parses.
-const STRATEGIES: &[&str] = &["default", "pytorch", "bfc", "arena", "eager", "direct", "expandable"];
+const STRATEGIES: &[&str] = &["default", "pytorch", "bfc", "arena", "eager", "direct", "expandable", "pages"];
 
 /// `settings` under each strategy (a strategy setting wins over a `strategy:` inside).
 fn configs(settings: &str) -> impl Iterator<Item = Config> + '_ {
@@ -72,7 +72,7 @@ fn configs(settings: &str) -> impl Iterator<Item = Config> + '_ {
 
 /// After a free, the release watermark holds unless no idle segment is left to give back.
 fn check_watermark<D: Device>(pool: &Pool<D>) {
-    let Some(threshold) = pool.config().release_threshold.filter(|_| pool.config().page_size.is_none()) else { return };
+    let Some(threshold) = pool.config().release_threshold.filter(|_| pool.config().paging.is_none()) else { return };
     let stat = |m| pool.stats().get(m, StatType::All).current;
     let (reserved, free) = (stat(Metric::ReservedBytes), stat(Metric::ReservedBytes) - stat(Metric::ActiveBytes));
     let idle = |s: &SegmentInfo| s.blocks.len() == 1 && s.blocks[0].state == BlockState::Free;
@@ -88,7 +88,7 @@ fn check_limit<D: Device>(pool: &Pool<D>) {
     else {
         return;
     };
-    if pool.config().page_size.is_some() {
+    if pool.config().paging.is_some() {
         return;
     }
     let reserved = pool.stats().get(Metric::ReservedBytes, StatType::All).current;

@@ -8,7 +8,7 @@ use proptest::prelude::*;
 
 const MIB: u64 = 1 << 20;
 /// Plain segments, paged ranges, and a pre-allocated arena shared by all streams.
-const STRATEGIES: &[&str] = &["default", "pytorch", "expandable", "arena", "bfc"];
+const STRATEGIES: &[&str] = &["default", "pytorch", "expandable", "pages", "arena", "bfc"];
 
 #[derive(Clone, Debug)]
 enum Op {

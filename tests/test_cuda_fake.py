@@ -333,7 +333,8 @@ def test_expandable_segments_map_pages_through_the_driver(fake):
         fake,
     )
     assert result["data"] == "paged"
-    assert result["mapped"] >= 9, "18 MiB of blocks need at least nine 2 MiB pages"
+    # PyTorch's expandable segments map the large pool in 20 MiB handles: 18 MiB of blocks is one.
+    assert result["mapped"] == 1, "18 MiB of blocks fit one 20 MiB handle"
     assert result["created"] == result["released"] and result["held"] == 0
 
 

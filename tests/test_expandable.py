@@ -1,4 +1,4 @@
-"""Paged strategies (`expandable`, `default`): pages are really mapped and really given back."""
+"""Paged strategies (`expandable`, `pages`, `default`): pages are really mapped and really given back."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def touch(ptr) -> None:
     ptr.copy_from_host(b"\x01" * ptr.size)
 
 
-@pytest.mark.parametrize("strategy", ["expandable", "default"])
+@pytest.mark.parametrize("strategy", ["expandable", "pages", "default"])
 def test_resident_memory_falls_once_frees_cross_the_watermark(strategy):
     pool = gpupool.Pool("host", config=f"strategy:{strategy},release_threshold:0.5")
     ptrs = [pool.alloc(16 * MiB) for _ in range(8)]

@@ -158,10 +158,11 @@ def test_pool_synchronize_completes_every_stream():
     assert all(s.query() for s in streams)
 
 
-@pytest.mark.parametrize("strategy", ["default", "expandable"])
+@pytest.mark.parametrize("strategy", ["default", "pages", "expandable"])
 def test_snapshots_of_paged_strategies_show_mapped_runs(strategy):
     pool = gpupool.Pool("sim", capacity=GiB, config=f"strategy:{strategy},release_threshold:0.0")
-    ptrs = [pool.alloc(24 * MiB) for _ in range(4)]
+    # 40 MiB blocks: the freed one covers whole 20 MiB handles of PyTorch's expandable segments.
+    ptrs = [pool.alloc(40 * MiB) for _ in range(4)]
     ptrs[1].free()  # unmapped at once past the watermark: the mapping splits in two runs
     segments = pool.snapshot()["segments"]
     stats = pool.memory_stats()

@@ -3,6 +3,8 @@
 from importlib.metadata import version
 
 from gpupool import _native
+from gpupool._advice.advice import Advice
+from gpupool._advice.analysis import advise, advise_each
 from gpupool._native import (
     Device,
     DevicePtr,
@@ -17,6 +19,7 @@ from gpupool._view import View
 from gpupool.trace import ReplayResult, Trace, replay
 
 __all__ = [
+    "Advice",
     "Device",
     "DevicePtr",
     "OutOfMemoryError",
@@ -25,6 +28,8 @@ __all__ = [
     "Stream",
     "Trace",
     "View",
+    "advise",
+    "advise_each",
     "cuda_available",
     "cuda_mem_get_info",
     "device_count",

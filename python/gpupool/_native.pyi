@@ -181,7 +181,8 @@ class Trace:
         live_before: list[tuple[int, int, int]],
     ) -> Trace:
         """PyTorch ``device_traces`` entries ``(action, addr, size, stream, time_us)``, after
-        allocating ``live_before`` ``(addr, size, stream)`` at the start."""
+        allocating ``live_before`` ``(addr, size, stream)`` at the start (the trace's prelude:
+        the blocks live before recording began)."""
     @property
     def name(self) -> str: ...
     def __len__(self) -> int: ...
@@ -249,3 +250,22 @@ def replay(
     device: str = "sim",
 ) -> ReplayResult:
     """Replays ``trace`` on a fresh pool; ``sim`` without a capacity is unlimited."""
+
+def replay_from_start(
+    trace: Trace,
+    config: str,
+    start: list[tuple[int, int, bool, int]],
+    min_capacity: bool = False,
+    decisions: bool = False,
+    capacity: int | None = None,
+) -> tuple[ReplayResult, list[tuple[str, int]], int]:
+    """Replays ``trace`` (plain segments only) on ``sim`` from the segments ``start``
+    (``(address, size, is_small, stream)``) and its prelude blocks where they were recorded.
+    Returns the result, the pool's segment decisions ``(action, size)`` (with ``decisions``) and
+    how many prelude blocks no start segment held."""
+
+def matched_in_order(recorded: list[tuple[str, int]], replayed: list[tuple[str, int]], max_edits: int) -> int | None:
+    """The longest common subsequence's length; None past ``max_edits`` insertions and deletions."""
+
+def inert_keys(config: str) -> list[str]:
+    """The keys of ``config`` accepted without effect on device memory; ValueError if invalid."""

@@ -1,5 +1,6 @@
 """Command line: ``gpupool bench`` reruns the seed article's pool-versus-device benchmark here;
-``gpupool replay`` replays allocation traces and reports how much memory they need."""
+``gpupool replay`` replays allocation traces and reports how much memory they need;
+``gpupool advise`` says what a PyTorch job really needs, from its memory snapshot."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import gpupool
 from gpupool import _replay_report
+from gpupool._advice import command as _advise_command
 
 MiB = 1 << 20
 # The sim device needs a size; this is an 80 GiB accelerator's.
@@ -101,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--repeat", type=_positive_int, default=5, help="runs per workload")
     bench_parser.set_defaults(handler=_run_bench)
     _replay_report.add_parser(commands)
+    _advise_command.add_parser(commands)
     return parser
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import gzip
 import io
 import os
@@ -97,6 +99,20 @@ def _is_pickle(path: PathLike) -> bool:
     return head[:1] == bytes([_PICKLE_PROTOCOL_2_OR_LATER])
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Pauses the cyclic garbage collector. A snapshot unpickles into millions of dicts and
+    lists, and each collection would walk them all again (13 s instead of 3 for a million
+    events); plain data holds no reference cycles to collect."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _read_pickle(path: PathLike) -> Any:
     with open(path, "rb") as raw:
         compressed = raw.read(2) == _GZIP_MAGIC
@@ -105,7 +121,8 @@ def _read_pickle(path: PathLike) -> Any:
         # making the unpickler allocate (and zero) gigabytes for a read that comes up short.
         with gzip.open(path, "rb") if compressed else open(path, "rb") as file:
             data = io.BytesIO(file.read())
-        return _PlainUnpickler(data).load()
+        with _no_cycle_collection():
+            return _PlainUnpickler(data).load()
     # A damaged pickle fails in many ways (truncation, bad opcodes, stack underflow); to the
     # caller they all mean the same.
     except Exception as error:

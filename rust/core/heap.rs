@@ -378,6 +378,36 @@ impl Heap {
         (Handle { index: id, generation }, address)
     }
 
+    /// Allocates `rounded` bytes at exactly `address` in segment `sid` to `stream`, as
+    /// [`Heap::take_block`] would had the free block started there: rebuilds a layout recorded
+    /// elsewhere (a snapshot's blocks). The free space before `address` stays free. `None` when
+    /// those bytes are not free in one block.
+    pub fn take_at(
+        &mut self,
+        sid: SegmentId,
+        address: u64,
+        requested: u64,
+        rounded: u64,
+        stream: u32,
+    ) -> Option<Handle> {
+        let (mut id, start, state) = self
+            .blocks_of(self.segment(sid))
+            .find(|(_, b)| b.address <= address && address.checked_add(rounded).is_some_and(|end| end <= b.end()))
+            .map(|(id, b)| (id, b.address, b.state))?;
+        if state != BlockState::Free {
+            return None;
+        }
+        if address > start {
+            self.bin_remove(id);
+            self.uncount_inactive(id);
+            self.split(id, address - start);
+            self.bin_insert(id);
+            self.count_inactive(id);
+            id = self.blocks[id as usize].next;
+        }
+        Some(self.take_block(id, requested, rounded, stream).0)
+    }
+
     /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.
     #[inline]
     fn split(&mut self, id: u32, size: u64) {
@@ -660,5 +690,42 @@ impl Heap {
             .collect();
         out.sort_by_key(|s| s.address);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A recorded layout rebuilt block by block, from the highest address down: each block lands
+    /// where it was, the space around it stays free, and the rules still decide whether a block
+    /// keeps a small tail (PyTorch hands out a large block whole when at most 1 MiB would remain).
+    #[test]
+    fn take_at_rebuilds_a_recorded_layout() {
+        let mut heap = Heap::new(Rules::pytorch());
+        let sid = heap.add_segment(0x1000_0000, 20 * MIB, PoolKind::Large, 0);
+        let base = 0x1000_0000;
+        let high = heap.take_at(sid, base + 14 * MIB, 5 * MIB + 512, 5 * MIB + 512, 0).unwrap();
+        let low = heap.take_at(sid, base + 2 * MIB, 3 * MIB, 3 * MIB, 0).unwrap();
+        assert!(heap.take_at(sid, base + 3 * MIB, 2 * MIB, 2 * MIB, 0).is_none(), "overlaps a live block");
+        let layout: Vec<(u64, u64, BlockState)> =
+            heap.segments()[0].blocks.iter().map(|b| (b.address - base, b.size, b.state)).collect();
+        assert_eq!(
+            layout,
+            [
+                (0, 2 * MIB, BlockState::Free),
+                (2 * MIB, 3 * MIB, BlockState::Allocated),
+                (5 * MIB, 9 * MIB, BlockState::Free),
+                // 20 - 14 = 6 MiB: less than 1 MiB would remain, so the block takes it whole.
+                (14 * MIB, 6 * MIB, BlockState::Allocated),
+            ]
+        );
+        heap.check_invariants().unwrap();
+        heap.release(low).unwrap();
+        heap.release(high).unwrap();
+        assert_eq!(heap.segments()[0].blocks.len(), 1, "freed blocks coalesce again");
+        heap.check_invariants().unwrap();
     }
 }

@@ -2,7 +2,7 @@
 //! meanings, and gpupool's own keys (`strategy`, `release_threshold`, ...).
 //!
 //! A `PYTORCH_CUDA_ALLOC_CONF` value can be pasted as is. Keys, in the order `entries` lists them:
-//! - `strategy`: `pytorch`, `bfc`, `arena`, `eager`, `expandable`, `direct`,
+//! - `strategy`: `pytorch`, `bfc`, `arena`, `eager`, `expandable`, `pages`, `direct`,
 //!   `default` (the default); the presets of [`Rules`] plus the pool's growth and release behaviour.
 //! - `backend`: `native`, or `cudaMallocAsync`: no pooling in gpupool (`direct`); on CUDA the
 //!   segments come from the driver's own stream-ordered pool.
@@ -21,17 +21,23 @@
 //!   of reserved bytes, fully free segments go back to the device, oldest first.
 //! - `initial_pool_size_mb`: a segment obtained when the pool is made (capped by capacity);
 //!   `arena` grows by this unit too (default 1024).
-//! - `page_size_mb`: the mapping unit of `default` and `expandable`, a power of two (default 2);
-//!   on CUDA rounded up to the driver's allocation granularity when below it.
+//! - `page_size_mb`: the mapping unit of the paged strategies, a power of two: `default` and
+//!   `pages` map 2 MiB pages by default; `expandable` maps PyTorch's handles, 20 MiB in the large
+//!   pool and 2 MiB in the small one, and this key sets both. On CUDA each is rounded up to the
+//!   driver's allocation granularity when below it.
 //! - `shareable_handle`: `none` (default) or `posix_fd`: CUDA pages exportable as file
 //!   descriptors (IPC, NCCL peer-to-peer).
 //! - `peer_access`: `[1,2]`: devices granted read/write access to CUDA pages.
 //! - `cross_stream_reuse`: `never`, `completed` (default) or `wait`.
-//! - PyTorch's pinned-memory and graph keys are accepted and ignored (gpupool has neither).
+//! - PyTorch's keys for its pinned host memory, CUDA graphs, address-space reserve and
+//!   `throw_on_cudamalloc_oom` are validated and accepted without effect on device memory
+//!   ([`Config::inert`] lists those given).
 
 mod parse;
 
-use crate::core::{Rules, POWER2_INTERVALS};
+pub use parse::NO_DEVICE_MEMORY_EFFECT;
+
+use crate::core::{PoolKind, Rules, POWER2_INTERVALS};
 use crate::device::MappingOptions;
 use std::fmt;
 
@@ -82,8 +88,13 @@ pub enum Strategy {
     Arena,
     /// OneFlow's bin allocator: BFC's splitting over PyTorch's segment sizes.
     Eager,
-    /// One reserved address range per pool kind, pages mapped on demand.
+    /// PyTorch's expandable segments: one reserved address range per pool kind, physical memory
+    /// mapped in fixed handles (20 MiB large, 2 MiB small) and unmapped only by `empty_cache`
+    /// or the out-of-memory path.
     Expandable,
+    /// An idealized pager for comparison: `expandable`'s two ranges, mapped and unmapped 2 MiB
+    /// page by page, a map call reaching 20 MiB ahead.
+    Pages,
     /// No pooling: every allocation is a segment of its own, released on free.
     Direct,
     /// gpupool's own choice: one address range for all sizes, mapped page by page and reused
@@ -93,12 +104,13 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    pub const ALL: [Strategy; 7] = [
+    pub const ALL: [Strategy; 8] = [
         Strategy::Pytorch,
         Strategy::Bfc,
         Strategy::Arena,
         Strategy::Eager,
         Strategy::Expandable,
+        Strategy::Pages,
         Strategy::Direct,
         Strategy::Default,
     ];
@@ -110,10 +122,36 @@ impl Strategy {
             Strategy::Arena => "arena",
             Strategy::Eager => "eager",
             Strategy::Expandable => "expandable",
+            Strategy::Pages => "pages",
             Strategy::Direct => "direct",
             Strategy::Default => "default",
         }
     }
+}
+
+/// How a paged strategy maps physical memory into its address ranges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Paging {
+    /// The mapping unit of each pool kind's range, indexed by [`PoolKind::index`].
+    pub page: [u64; 2],
+    pub mode: PagingMode,
+}
+
+impl Paging {
+    pub fn page_of(&self, kind: PoolKind) -> u64 {
+        self.page[kind.index()]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PagingMode {
+    /// PyTorch's expandable segments: exactly the handles a block needs are mapped, and a
+    /// block goes where the rules put it, whatever it costs in new handles.
+    Handles,
+    /// gpupool's pager: a map call reaches ahead into free space (20 MiB large, 2 MiB small) so a
+    /// growing job makes few calls, and under pressure a block goes where it needs the fewest
+    /// new pages.
+    Pages,
 }
 
 /// Where segments come from (PyTorch's `backend`).
@@ -140,9 +178,9 @@ pub struct Config {
     pub strategy: Strategy,
     pub rules: Rules,
     pub cross_stream_reuse: CrossStreamReuse,
-    /// Expandable segments: `Some(page size)` makes each pool kind one reserved address range
-    /// whose pages are mapped on demand (rust/pool/expandable.rs); `None` uses plain segments.
-    pub page_size: Option<u64>,
+    /// Paged strategies: each pool kind is one reserved address range whose pages are mapped on
+    /// demand (rust/pool/expandable.rs); `None` uses plain segments.
+    pub paging: Option<Paging>,
     pub backend: Backend,
     /// The release watermark: a share of reserved bytes that free-but-reserved bytes may reach.
     pub release_threshold: Option<f64>,
@@ -154,6 +192,9 @@ pub struct Config {
     pub release_lock_on_cudamalloc: bool,
     /// How pages are made (`shareable_handle`, `peer_access`); paged strategies on CUDA only.
     pub mapping: MappingOptions,
+    /// The keys given that are accepted without affecting device memory
+    /// ([`parse::NO_DEVICE_MEMORY_EFFECT`]), so that a report can say so.
+    pub inert: Vec<&'static str>,
 }
 
 /// The `default` strategy with no other key set: what `Config::parse("")` gives.
@@ -208,13 +249,14 @@ impl Config {
             ("max_non_split_rounding_mb", Setting::Int(r.max_non_split_rounding / MIB)),
             ("roundup_power2_divisions", Setting::Divisions((0..).zip(divisions).map(|(i, d)| (1 << i, d)).collect())),
             ("garbage_collection_threshold", float(self.garbage_collection_threshold)),
-            ("expandable_segments", Setting::Bool(self.page_size.is_some())),
+            ("expandable_segments", Setting::Bool(self.paging.is_some())),
             ("release_lock_on_cudamalloc", Setting::Bool(self.release_lock_on_cudamalloc)),
             ("per_process_memory_fraction", float(self.per_process_memory_fraction)),
             ("large_segment_size_mb", Setting::Int(r.large_segment / MIB)),
             ("release_threshold", float(self.release_threshold)),
             ("initial_pool_size_mb", Setting::Int(self.initial_pool_size / MIB)),
-            ("page_size_mb", self.page_size.map_or(Setting::Unset, |p| Setting::Int(p / MIB))),
+            // The large pool's unit: every strategy's large requests are mapped in it.
+            ("page_size_mb", self.paging.map_or(Setting::Unset, |p| Setting::Int(p.page_of(PoolKind::Large) / MIB))),
             ("cross_stream_reuse", Setting::Text(self.cross_stream_reuse.name())),
             ("shareable_handle", Setting::Text(if self.mapping.shareable { "posix_fd" } else { "none" })),
             ("peer_access", Setting::List(self.mapping.peers.iter().map(|&d| d as u64).collect())),

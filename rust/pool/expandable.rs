@@ -6,7 +6,12 @@
 //! are unmapped only under pressure (a refused map, an OOM flush), on `empty_cache`, or past the
 //! release watermark. Physical use is then the pages that live blocks touch, not the address
 //! space that fragmentation spreads them over.
+//!
+//! Two [`PagingMode`]s: PyTorch's (`strategy:expandable`: 20 MiB handles in the large range,
+//! 2 MiB in the small one, exactly those a block needs) and gpupool's pager (`pages`, `default`:
+//! 2 MiB pages, a map call reaching ahead, placement by fewest new pages under pressure).
 
+use super::{Paging, PagingMode};
 use crate::core::{BlockInfo, BlockState, Heap, Metric, PoolKind, SegmentId, SegmentInfo, StatType, SHARED};
 use crate::device::{Device, DeviceError};
 
@@ -14,15 +19,29 @@ use crate::device::{Device, DeviceError};
 #[derive(Debug)]
 struct Range {
     segment: SegmentId,
-    /// How far one map call reaches into free space: PyTorch's segment size for the kind.
+    /// How far one map call reaches into free space (at least one page).
     map_ahead: u64,
     base: u64,
     kind: PoolKind,
+    page_size: u64,
+    /// log2 of `page_size` when it is a power of two: the hot path then shifts instead of
+    /// dividing. PyTorch's 20 MiB handles are not.
+    page_shift: Option<u32>,
     /// One bit per page.
     mapped: Vec<u64>,
 }
 
 impl Range {
+    /// The pages `[first, end)` that bytes `[address, address + len)` touch.
+    #[inline]
+    fn pages_under(&self, address: u64, len: u64) -> std::ops::Range<u64> {
+        let (start, end) = (address - self.base, address + len - self.base + self.page_size - 1);
+        match self.page_shift {
+            Some(shift) => (start >> shift)..(end >> shift),
+            None => (start / self.page_size)..(end / self.page_size),
+        }
+    }
+
     fn is_mapped(&self, page: u64) -> bool {
         self.mapped[(page / 64) as usize] & (1 << (page % 64)) != 0
     }
@@ -89,8 +108,8 @@ impl Range {
     }
 }
 
-/// How far one map call reaches when an allocation grows into unmapped space: PyTorch's segment
-/// sizes, which its expandable segments also map at a time (20 MiB large, 2 MiB small).
+/// How far one map call of gpupool's pager reaches when an allocation grows into unmapped space:
+/// PyTorch's segment sizes (20 MiB large, 2 MiB small), so a growing job makes as few calls.
 const MAP_AHEAD: u64 = 20 << 20;
 const SMALL_MAP_AHEAD: u64 = 2 << 20;
 
@@ -100,18 +119,22 @@ const MAX_RANGE: u64 = 1 << 50;
 
 #[derive(Debug)]
 pub struct Expandable {
-    page_size: u64,
-    /// log2 of `page_size` (a power of two): the hot path divides by shifting.
-    page_shift: u32,
+    paging: Paging,
     ranges: Vec<Range>,
     /// Map (true) and unmap calls as (address, size), kept only while history is recorded.
     calls: Option<Vec<(bool, u64, u64)>>,
 }
 
 impl Expandable {
-    pub fn new(page_size: u64) -> Self {
-        assert!(page_size.is_power_of_two(), "the configuration admits only power-of-two pages");
-        Expandable { page_size, page_shift: page_size.trailing_zeros(), ranges: Vec::new(), calls: None }
+    pub fn new(paging: Paging) -> Self {
+        assert!(paging.page.iter().all(|&p| p > 0), "pages have a size");
+        Expandable { paging, ranges: Vec::new(), calls: None }
+    }
+
+    /// Whether, under pressure, blocks may go where they need the fewest new pages (gpupool's
+    /// pager; PyTorch places them by its rules alone).
+    pub fn places_by_pages(&self) -> bool {
+        self.paging.mode == PagingMode::Pages
     }
 
     pub fn log_calls(&mut self, on: bool) {
@@ -143,14 +166,21 @@ impl Expandable {
         }
         let capacity = device.memory_info().total.unwrap_or(1 << 40);
         // Twice the capacity, at most 1 TiB unless one request needs more.
+        let page_size = self.paging.page_of(kind);
         let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded + MAP_AHEAD);
-        let size = wanted.div_ceil(self.page_size) * self.page_size;
+        let size = wanted.div_ceil(page_size) * page_size;
         let base = device.reserve(size)?;
         heap.stats_mut().driver.reserve += 1;
         let segment = heap.add_expandable_segment(base, size, kind, stream);
-        let pages = size / self.page_size;
-        let map_ahead = if kind == PoolKind::Small { SMALL_MAP_AHEAD } else { MAP_AHEAD };
-        self.ranges.push(Range { segment, base, kind, map_ahead, mapped: vec![0; pages.div_ceil(64) as usize] });
+        let pages = size / page_size;
+        let map_ahead = match self.paging.mode {
+            PagingMode::Handles => page_size,
+            PagingMode::Pages if kind == PoolKind::Small => SMALL_MAP_AHEAD.max(page_size),
+            PagingMode::Pages => MAP_AHEAD.max(page_size),
+        };
+        let mapped = vec![0; pages.div_ceil(64) as usize];
+        let page_shift = page_size.is_power_of_two().then(|| page_size.trailing_zeros());
+        self.ranges.push(Range { segment, base, kind, map_ahead, page_size, page_shift, mapped });
         Ok(segment)
     }
 
@@ -159,9 +189,7 @@ impl Expandable {
     #[inline]
     pub fn is_backed(&self, segment: SegmentId, address: u64, len: u64) -> bool {
         let Some(range) = self.ranges.iter().find(|r| r.segment == segment) else { return true };
-        let first = (address - range.base) >> self.page_shift;
-        let end = (address + len - range.base + self.page_size - 1) >> self.page_shift;
-        range.all_mapped(first..end)
+        range.all_mapped(range.pages_under(address, len))
     }
 
     /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet; says
@@ -181,16 +209,14 @@ impl Expandable {
         free_end: u64,
         limit: Option<u64>,
     ) -> Result<bool, DeviceError> {
-        let page_size = self.page_size;
         let Some(index) = self.ranges.iter().position(|r| r.segment == segment) else { return Ok(false) };
         let range = &self.ranges[index];
-        let first = (address - range.base) >> self.page_shift;
-        let end = (address + len - range.base + page_size - 1) >> self.page_shift;
+        let pages = range.pages_under(address, len);
         // The common case, a block on pages already mapped: no call and no allocation.
-        if range.all_mapped(first..end) {
+        if range.all_mapped(pages.clone()) {
             return Ok(false);
         }
-        self.map_missing(device, heap, index, first..end, free_end, limit)?;
+        self.map_missing(device, heap, index, pages, free_end, limit)?;
         Ok(true)
     }
 
@@ -206,8 +232,8 @@ impl Expandable {
         free_end: u64,
         limit: Option<u64>,
     ) -> Result<(), DeviceError> {
-        let page_size = self.page_size;
         let range = &mut self.ranges[index];
+        let page_size = range.page_size;
         let (segment, first, end) = (range.segment, pages.start, pages.end);
         let ahead_end = ((free_end - range.base) / page_size).max(end);
         for run in range.runs(first..end, false) {
@@ -263,9 +289,9 @@ impl Expandable {
         heap: &mut Heap,
         wait: bool,
     ) -> Result<u64, DeviceError> {
-        let page_size = self.page_size;
         let mut released = 0;
         for range in &mut self.ranges {
+            let page_size = range.page_size;
             // Adjacent free blocks of different owners still free the pages they share. A block
             // its stream freed while busy may still be in use by queued work: it stays mapped.
             let mut free: Vec<(u64, u64)> = Vec::new();
@@ -320,9 +346,7 @@ impl Expandable {
                 if b.size < rounded || (b.stream != stream && b.stream != SHARED) {
                     continue;
                 }
-                let first = (b.address - range.base) / self.page_size;
-                let end = (b.address + rounded - range.base).div_ceil(self.page_size);
-                let unmapped = (first..end).filter(|&p| !range.is_mapped(p)).count() as u64;
+                let unmapped = range.pages_under(b.address, rounded).filter(|&p| !range.is_mapped(p)).count() as u64;
                 if best.is_none_or(|(u, a, _)| (unmapped, b.address) < (u, a)) {
                     best = Some((unmapped, b.address, id));
                 }
@@ -365,8 +389,9 @@ impl Expandable {
         let blocks = &segment.blocks;
         let mut first = 0;
         let mut out = Vec::new();
-        for run in range.runs(0..segment.size >> self.page_shift, true) {
-            let (start, end) = (range.base + (run.start << self.page_shift), range.base + (run.end << self.page_shift));
+        let page_size = range.page_size;
+        for run in range.runs(0..segment.size / page_size, true) {
+            let (start, end) = (range.base + run.start * page_size, range.base + run.end * page_size);
             // Blocks are in address order; one that reaches past this run also starts the next.
             while blocks[first].address + blocks[first].size <= start {
                 first += 1;
@@ -399,13 +424,12 @@ impl Expandable {
 
     /// Bytes of `[address, address + size)` (inside the range at `base`) on mapped pages.
     fn mapped_within(&self, range: &Range, address: u64, size: u64) -> u64 {
-        let first = (address - range.base) >> self.page_shift;
-        let end = (address + size - range.base).div_ceil(self.page_size);
+        let page_size = range.page_size;
         range
-            .runs(first..end, true)
+            .runs(range.pages_under(address, size), true)
             .iter()
             .map(|run| {
-                let (from, to) = (range.base + run.start * self.page_size, range.base + run.end * self.page_size);
+                let (from, to) = (range.base + run.start * page_size, range.base + run.end * page_size);
                 to.min(address + size) - from.max(address)
             })
             .sum()
@@ -439,7 +463,7 @@ impl Expandable {
                 return Err(format!("range {:#x} changed pool kind", range.base));
             }
             let pages: u64 = range.mapped.iter().map(|w| w.count_ones() as u64).sum();
-            if pages * self.page_size != heap.mapped_bytes(range.segment) {
+            if pages * range.page_size != heap.mapped_bytes(range.segment) {
                 return Err(format!("range {:#x}: page map and heap disagree on mapped bytes", range.base));
             }
             let runs = range.runs(0..range.mapped.len() as u64 * 64, true).len();
@@ -447,9 +471,7 @@ impl Expandable {
                 return Err(format!("range {:#x}: page map and heap disagree on mapped runs", range.base));
             }
             for b in seg.blocks.iter().filter(|b| b.state != crate::core::BlockState::Free) {
-                let first = (b.address - range.base) / self.page_size;
-                let end = (b.address + b.size - range.base).div_ceil(self.page_size);
-                if (first..end).any(|p| !range.is_mapped(p)) {
+                if range.pages_under(b.address, b.size).any(|p| !range.is_mapped(p)) {
                     return Err(format!("block {:#x} is in use but not fully mapped", b.address));
                 }
             }

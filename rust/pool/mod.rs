@@ -10,9 +10,13 @@ mod growth;
 mod held;
 mod history;
 mod release;
+mod seed;
 mod streams;
 
-pub use config::{parse_size, Backend, Config, ConfigError, CrossStreamReuse, Setting, Strategy, ENV_VAR};
+pub use config::{
+    parse_size, Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Setting, Strategy, ENV_VAR,
+    NO_DEVICE_MEMORY_EFFECT,
+};
 pub use error::{format_bytes, OomReport, PoolError};
 pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
@@ -57,7 +61,7 @@ impl<D: Device> Pool<D> {
             heap.keep_shared_apart();
         }
         let config = Self::fit_pages_to(&mut device, config);
-        let expandable = config.page_size.map(Expandable::new);
+        let expandable = config.paging.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
         let mut pool = Pool {
             device,
@@ -80,10 +84,12 @@ impl<D: Device> Pool<D> {
     /// what `config()` reports. A device that cannot map at all is left to fail the first map,
     /// with the driver's reason.
     fn fit_pages_to(device: &mut D, mut config: Config) -> Config {
-        if let Some(page) = config.page_size {
+        if let Some(paging) = config.paging.as_mut() {
             device.set_mapping_options(&config.mapping);
             if let Ok(granularity) = device.mapping_granularity() {
-                config.page_size = Some(page.next_multiple_of(granularity));
+                for page in &mut paging.page {
+                    *page = page.next_multiple_of(granularity);
+                }
             }
         }
         config
@@ -257,8 +263,11 @@ impl<D: Device> Pool<D> {
             Some(a) => Ok(a),
             None => self.grow(size, stream),
         });
+        let places_by_pages = self.expandable.as_ref().is_some_and(Expandable::places_by_pages);
         let retried = match retried {
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => self.take_least_mapping(size, stream),
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) if places_by_pages => {
+                self.take_least_mapping(size, stream)
+            }
             other => other,
         };
         match retried {
@@ -274,7 +283,7 @@ impl<D: Device> Pool<D> {
         PoolError::OutOfMemory(Box::new(self.oom_report(size)))
     }
 
-    /// Expandable ranges' last resort: place the block where it needs the fewest new pages.
+    /// gpupool's pager's last resort: place the block where it needs the fewest new pages.
     fn take_least_mapping(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         let rules = self.heap.rules();
         let (rounded, oom) = (rules.round(size), PoolError::Device(DeviceError::OutOfMemory { requested: size }));

@@ -1,5 +1,6 @@
 //! The Python extension `gpupool._native`: one file per class, no algorithm.
 
+mod advise;
 mod cuda;
 mod device;
 mod device_ptr;
@@ -29,6 +30,9 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replay::replay, m)?)?;
     m.add("OutOfMemoryError", m.py().get_type::<error::OutOfMemoryError>())?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(advise::replay_from_start, m)?)?;
+    m.add_function(wrap_pyfunction!(advise::matched_in_order, m)?)?;
+    m.add_function(wrap_pyfunction!(advise::inert_keys, m)?)?;
     cuda::register(m)?;
     #[cfg(feature = "cuda")]
     ipc::register(m)?;

@@ -4,13 +4,13 @@ use super::device::{capacity_arg, open_device};
 use super::error::{pool_error, value_error};
 use super::trace::PyTrace;
 use crate::pool::{Config, Pool};
-use crate::trace::replay::{min_capacity as search_min_capacity, replay as run, Metrics, Timeline};
+use crate::trace::replay::{min_capacity as search_min_capacity, min_capacity_after, replay as run, Metrics, Timeline};
 use pyo3::prelude::*;
 
 /// Enough points for a plot as wide as a screen.
-const TIMELINE_POINTS: usize = 2000;
+pub(super) const TIMELINE_POINTS: usize = 2000;
 /// The min-capacity search stops when its bounds are this close (a fraction of the answer).
-const MIN_CAPACITY_TOLERANCE: f64 = 0.005;
+pub(super) const MIN_CAPACITY_TOLERANCE: f64 = 0.005;
 
 #[pyclass(name = "ReplayResult", module = "gpupool._native", frozen)]
 pub struct PyReplayResult {
@@ -21,6 +21,21 @@ pub struct PyReplayResult {
     metrics: Metrics,
     min_capacity: Option<u64>,
     timeline: Timeline,
+}
+
+impl PyReplayResult {
+    /// A result for `trace` replayed with `config` on a `sim` device (`None`: unlimited).
+    pub(super) fn on_sim(
+        trace: &PyTrace,
+        config: &str,
+        capacity: Option<u64>,
+        metrics: Metrics,
+        min_capacity: Option<u64>,
+        timeline: Timeline,
+    ) -> Self {
+        let (trace, config, device) = (trace.name().to_string(), config.to_string(), "sim".to_string());
+        PyReplayResult { trace, config, device, capacity, metrics, min_capacity, timeline }
+    }
 }
 
 #[pymethods]
@@ -156,12 +171,17 @@ pub fn replay(
         _ => open_device(device, capacity)?,
     };
     let events = trace.trace.clone();
+    // The replay itself is the search's unlimited one when it ran on an unlimited `sim`.
+    let unlimited = device == "sim" && capacity.is_none();
     let (metrics, min_capacity, timeline) = py
         .detach(move || {
             let mut timeline = Timeline::new(events.events().len(), TIMELINE_POINTS);
             let metrics = run(&events, &mut Pool::new(backend, parsed.clone()), Some(&mut timeline))?;
-            let min =
-                min_capacity.then(|| search_min_capacity(&events, &parsed, MIN_CAPACITY_TOLERANCE)).transpose()?;
+            let min = match (min_capacity, unlimited) {
+                (false, _) => None,
+                (true, true) => Some(min_capacity_after(&events, &parsed, &metrics, MIN_CAPACITY_TOLERANCE)?),
+                (true, false) => Some(search_min_capacity(&events, &parsed, MIN_CAPACITY_TOLERANCE)?),
+            };
             Ok((metrics, min, timeline))
         })
         .map_err(pool_error)?;

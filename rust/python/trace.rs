@@ -42,6 +42,7 @@ impl PyTrace {
                 .alloc(address, size, stream, 0)
                 .map_err(|e| value_error(format!("{name}, blocks allocated before recording: {e}")))?;
         }
+        builder.begin_history();
         let start = entries.first().map_or(0.0, |e| e.4);
         for (index, (action, address, size, stream, time_us)) in entries.iter().enumerate() {
             let time_ns = ((time_us - start).max(0.0) * 1000.0) as u64;

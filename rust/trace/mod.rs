@@ -5,7 +5,9 @@
 //! fed by the Python pickle reader) and a pool's own [`History`]. [`replay`] runs a trace on a pool.
 
 pub mod csv;
+pub mod fidelity;
 pub mod replay;
+pub mod start;
 
 use crate::pool::{History, HistoryAction};
 use rustc_hash::FxHashMap;
@@ -77,6 +79,9 @@ pub struct Trace {
     streams: Vec<u64>,
     slots: u32,
     peak_live_bytes: u64,
+    /// How many leading events are allocations that were live before recording began (see
+    /// [`TraceBuilder::begin_history`]); 0 when the trace starts from nothing.
+    prelude: usize,
 }
 
 impl Trace {
@@ -96,6 +101,12 @@ impl Trace {
     /// The most bytes live at once, as requested: what any allocator must hold at least.
     pub fn peak_live_bytes(&self) -> u64 {
         self.peak_live_bytes
+    }
+
+    /// The leading allocations of blocks that were live before recording began: a replay from
+    /// nothing makes them first; [`start::replay_from_start`] puts them back where they lay.
+    pub fn prelude(&self) -> &[Event] {
+        &self.events[..self.prelude]
     }
 
     /// A pool's recorded history as a trace of its users' requests: allocations, the frees
@@ -203,6 +214,11 @@ impl TraceBuilder {
             }
             other => Err(TraceError::UnknownAction(other.to_string())),
         }
+    }
+
+    /// Marks the end of the allocations made so far as the blocks live before recording began.
+    pub fn begin_history(&mut self) {
+        self.trace.prelude = self.trace.events.len();
     }
 
     pub fn finish(self) -> Trace {

@@ -2,7 +2,7 @@
 //! pool packed them and the smallest device they fit on.
 
 use super::{Action, Trace};
-use crate::core::{DriverCalls, Handle, Metric, StatType};
+use crate::core::{DriverCalls, Handle, Metric, StatType, Stats};
 use crate::device::{Device, Sim, StreamId};
 use crate::pool::{Config, Pool, PoolError, DEFAULT_STREAM};
 use std::time::Instant;
@@ -75,60 +75,122 @@ impl Timeline {
     }
 }
 
-/// Runs `trace` on `pool` (which should be fresh: its peaks are the replay's). Each trace
-/// stream gets a stream of the pool (the traced program's null stream is the default stream),
-/// so blocks pass between streams only as the pool's configuration allows.
+/// Every CUDA driver call that obtains or returns device memory, as the CUDA backend makes them
+/// for what the pool did (see [`DriverCalls`]): the one place that says what a driver call is.
+pub fn driver_calls(stats: &Stats) -> u64 {
+    stats.driver.total()
+}
+
+/// A replay in progress: the pool's stream for each trace stream, the live allocations by
+/// slot, and the counts so far.
+pub(super) struct Cursor {
+    pub streams: Vec<StreamId>,
+    pub handles: Vec<Option<Handle>>,
+    ooms: u64,
+    allocations: u64,
+    /// Stop once more allocations than this failed: a capacity probe needs no more.
+    ooms_allowed: Option<u64>,
+}
+
+impl Cursor {
+    /// Each trace stream gets a stream of the pool (the traced program's null stream is the
+    /// default stream), so blocks pass between streams only as the pool's configuration allows.
+    pub fn new<D: Device>(trace: &Trace, pool: &mut Pool<D>) -> Result<Self, PoolError> {
+        let streams = trace
+            .streams()
+            .iter()
+            .map(|&s| if s == 0 { Ok(DEFAULT_STREAM) } else { pool.create_stream() })
+            .collect::<Result<Vec<StreamId>, _>>()?;
+        Ok(Cursor { streams, handles: vec![None; trace.allocations()], ooms: 0, allocations: 0, ooms_allowed: None })
+    }
+
+    /// Makes [`Cursor::run`] stop at the allocation that fails beyond `allowed`.
+    pub fn stop_after_ooms(&mut self, allowed: u64) {
+        self.ooms_allowed = Some(allowed);
+    }
+
+    /// Whether more allocations failed than allowed (the replay stopped there).
+    pub fn failed(&self) -> bool {
+        self.ooms_allowed.is_some_and(|allowed| self.ooms > allowed)
+    }
+
+    /// Runs the trace's events `from..` on `pool`.
+    pub fn run<D: Device>(
+        &mut self,
+        trace: &Trace,
+        pool: &mut Pool<D>,
+        from: usize,
+        mut timeline: Option<&mut Timeline>,
+    ) -> Result<(), PoolError> {
+        for (index, e) in trace.events().iter().enumerate().skip(from) {
+            match e.action {
+                // A zero-byte allocation holds no memory.
+                Action::Alloc if e.size == 0 => {}
+                Action::Alloc => {
+                    self.alloc(pool, e.slot, e.size, e.stream)?;
+                    if self.failed() {
+                        return Ok(());
+                    }
+                }
+                Action::Free => {
+                    if let Some(handle) = self.handles[e.slot as usize].take() {
+                        pool.free(handle)?;
+                    }
+                }
+                Action::Failure => {}
+            }
+            if let Some(t) = timeline.as_deref_mut() {
+                let current = |m| pool.stats().get(m, StatType::All).current;
+                t.sample(index, current(Metric::ReservedBytes), current(Metric::RequestedBytes));
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates `size` bytes for `slot` on trace stream `stream`; a failure is counted.
+    pub fn alloc<D: Device>(&mut self, pool: &mut Pool<D>, slot: u32, size: u64, stream: u32) -> Result<(), PoolError> {
+        self.allocations += 1;
+        match pool.alloc_on(size, self.streams[stream as usize]) {
+            Ok(a) => self.handles[slot as usize] = Some(a.handle),
+            // A request beyond any device's size fails like one beyond this device's.
+            Err(PoolError::OutOfMemory(_) | PoolError::InvalidSize(_)) => self.ooms += 1,
+            Err(other) => return Err(other),
+        }
+        Ok(())
+    }
+
+    /// Counts an allocation that failed before the events ran (a start that does not fit).
+    pub fn count_oom(&mut self) {
+        self.ooms += 1;
+    }
+
+    pub fn metrics<D: Device>(&self, trace: &Trace, pool: &Pool<D>, seconds: f64) -> Metrics {
+        let stats = pool.stats();
+        Metrics {
+            events: trace.events().len(),
+            peak_live_bytes: stats.get(Metric::RequestedBytes, StatType::All).peak,
+            peak_reserved_bytes: stats.get(Metric::ReservedBytes, StatType::All).peak,
+            device_allocs: stats.num_device_alloc,
+            device_calls: driver_calls(stats),
+            driver_calls: stats.driver,
+            allocations: self.allocations,
+            ooms: self.ooms,
+            seconds,
+        }
+    }
+}
+
+/// Runs `trace` on `pool` (which should be fresh: its peaks are the replay's), from nothing:
+/// the blocks live before recording began are allocated first.
 pub fn replay<D: Device>(
     trace: &Trace,
     pool: &mut Pool<D>,
-    mut timeline: Option<&mut Timeline>,
+    timeline: Option<&mut Timeline>,
 ) -> Result<Metrics, PoolError> {
-    let streams = trace
-        .streams()
-        .iter()
-        .map(|&s| if s == 0 { Ok(DEFAULT_STREAM) } else { pool.create_stream() })
-        .collect::<Result<Vec<StreamId>, _>>()?;
-    let mut handles: Vec<Option<Handle>> = vec![None; trace.allocations()];
-    let (mut ooms, mut allocations) = (0, 0);
+    let mut cursor = Cursor::new(trace, pool)?;
     let start = Instant::now();
-    for (index, e) in trace.events().iter().enumerate() {
-        match e.action {
-            // A zero-byte allocation holds no memory.
-            Action::Alloc if e.size == 0 => {}
-            Action::Alloc => {
-                allocations += 1;
-                match pool.alloc_on(e.size, streams[e.stream as usize]) {
-                    Ok(a) => handles[e.slot as usize] = Some(a.handle),
-                    // A request beyond any device's size fails like one beyond this device's.
-                    Err(PoolError::OutOfMemory(_) | PoolError::InvalidSize(_)) => ooms += 1,
-                    Err(other) => return Err(other),
-                }
-            }
-            Action::Free => {
-                if let Some(handle) = handles[e.slot as usize].take() {
-                    pool.free(handle)?;
-                }
-            }
-            Action::Failure => {}
-        }
-        if let Some(t) = timeline.as_deref_mut() {
-            let current = |m| pool.stats().get(m, StatType::All).current;
-            t.sample(index, current(Metric::ReservedBytes), current(Metric::RequestedBytes));
-        }
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    let stats = pool.stats();
-    Ok(Metrics {
-        events: trace.events().len(),
-        peak_live_bytes: stats.get(Metric::RequestedBytes, StatType::All).peak,
-        peak_reserved_bytes: stats.get(Metric::ReservedBytes, StatType::All).peak,
-        device_allocs: stats.num_device_alloc,
-        device_calls: stats.driver.total(),
-        driver_calls: stats.driver,
-        allocations,
-        ooms,
-        seconds,
-    })
+    cursor.run(trace, pool, 0, timeline)?;
+    Ok(cursor.metrics(trace, pool, start.elapsed().as_secs_f64()))
 }
 
 /// Replays `trace` on a fresh pool over a `sim` device of `capacity` bytes.
@@ -136,17 +198,59 @@ pub fn replay_sim(trace: &Trace, config: &Config, capacity: u64) -> Result<Metri
     replay(trace, &mut Pool::new(Sim::new(capacity), config.clone()), None)
 }
 
+/// Whether `trace` replays on a `sim` device of `capacity` bytes with at most `ooms` failed
+/// allocations; stops at the first failure beyond them.
+fn fits_sim(trace: &Trace, config: &Config, capacity: u64, ooms: u64) -> Result<bool, PoolError> {
+    let mut pool = Pool::new(Sim::new(capacity), config.clone());
+    let mut cursor = Cursor::new(trace, &mut pool)?;
+    cursor.stop_after_ooms(ooms);
+    cursor.run(trace, &mut pool, 0, None)?;
+    Ok(!cursor.failed())
+}
+
 /// The smallest `sim` capacity on which `trace` replays without an OOM, to within `tolerance`
-/// (a fraction of the answer). Bisects between the trace's peak live bytes, below which
-/// nothing fits, and the peak reserved bytes of an unlimited replay, which always fits: the same
-/// device requests happen and none exceeds that peak.
+/// (a fraction of the answer). See [`bisect_capacity`].
 pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<u64, PoolError> {
-    let unlimited = replay_sim(trace, config, u64::MAX)?;
-    let (mut fails, mut fits) =
-        (trace.peak_live_bytes().min(unlimited.peak_reserved_bytes), unlimited.peak_reserved_bytes);
+    min_capacity_after(trace, config, &replay_sim(trace, config, u64::MAX)?, tolerance)
+}
+
+/// [`min_capacity`], given what a replay on an unlimited `sim` device measured.
+pub fn min_capacity_after(
+    trace: &Trace,
+    config: &Config,
+    unlimited: &Metrics,
+    tolerance: f64,
+) -> Result<u64, PoolError> {
+    // Requests no device could hold fail everywhere; they do not count against a capacity.
+    let fits_on = |capacity| fits_sim(trace, config, capacity, unlimited.ooms);
+    bisect_capacity(fits_on, trace.peak_live_bytes(), unlimited.peak_reserved_bytes, tolerance)
+}
+
+/// Bisects for the smallest capacity `fits_on`, between `floor` (below which nothing fits: the
+/// peak live bytes) and a capacity shown to fit: usually `unlimited_peak`, the peak reserved
+/// bytes of an unlimited replay, but a pool whose limit follows the capacity (a memory
+/// fraction) or whose segments do (strategies that size them by what is left) may need more,
+/// so that bound is replayed too and raised until it fits. The answer is always a capacity
+/// that was replayed; `u64::MAX` when none fits.
+pub fn bisect_capacity(
+    mut fits_on: impl FnMut(u64) -> Result<bool, PoolError>,
+    floor: u64,
+    unlimited_peak: u64,
+    tolerance: f64,
+) -> Result<u64, PoolError> {
+    let mut fits = unlimited_peak.max(1);
+    let mut raises = 0;
+    while !fits_on(fits)? {
+        raises += 1;
+        if raises > MAX_RAISES {
+            return Ok(u64::MAX);
+        }
+        fits = fits.saturating_add(fits / 4);
+    }
+    let mut fails = floor.min(fits);
     while fits - fails > (fits as f64 * tolerance) as u64 {
         let middle = fails + (fits - fails) / 2;
-        if replay_sim(trace, config, middle)?.ooms == 0 {
+        if fits_on(middle)? {
             fits = middle;
         } else {
             fails = middle;
@@ -154,6 +258,10 @@ pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<u6
     }
     Ok(fits)
 }
+
+/// How many times [`bisect_capacity`] raises its upper bound by a quarter (x 1.25^40, about
+/// 7500) before it reports that no capacity fits.
+const MAX_RAISES: u32 = 40;
 
 #[cfg(test)]
 mod tests {
@@ -199,6 +307,19 @@ mod tests {
         assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
         assert!(replay_sim(&trace, &config, min - min / 100).unwrap().ooms > 0);
         assert!(min <= 32 * MIB);
+    }
+
+    /// With a memory fraction the pool's limit follows the capacity: at the unlimited replay's
+    /// peak only half of it may be used, so the search must raise its bound before bisecting.
+    #[test]
+    fn a_memory_fraction_raises_the_bound() {
+        let (trace, config) =
+            (small_trace(), Config::parse("strategy:pytorch,per_process_memory_fraction:0.5").unwrap());
+        let unlimited = replay_sim(&trace, &config, u64::MAX).unwrap();
+        assert!(replay_sim(&trace, &config, unlimited.peak_reserved_bytes).unwrap().ooms > 0);
+        let min = min_capacity(&trace, &config, 0.005).unwrap();
+        assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
+        assert!(min >= 2 * trace.peak_live_bytes());
     }
 
     #[test]

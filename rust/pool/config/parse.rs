@@ -1,7 +1,7 @@
 //! The grammar (PyTorch's: spaces ignored, items split at commas outside brackets) and what
 //! each key accepts; then the keys resolved into a [`Config`], in any order.
 
-use super::{Backend, Config, ConfigError, CrossStreamReuse, Strategy};
+use super::{Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Strategy};
 use super::{DEFAULT_ARENA_MB, DEFAULT_PAGE_MB, MIB, MIN_SPLIT_LIMIT_MB};
 use crate::core::{Rules, POWER2_INTERVALS};
 use crate::device::MappingOptions;
@@ -9,11 +9,39 @@ use crate::device::MappingOptions;
 /// Every key, for the message naming an unknown one.
 const KNOWN_KEYS: &str = "strategy, backend, max_split_size_mb, max_non_split_rounding_mb, \
     roundup_power2_divisions, garbage_collection_threshold, expandable_segments, \
-    release_lock_on_cudamalloc, per_process_memory_fraction, large_segment_size_mb, \
-    release_threshold, initial_pool_size_mb, page_size_mb, cross_stream_reuse, shareable_handle, peer_access";
+    per_process_memory_fraction, large_segment_size_mb, release_threshold, initial_pool_size_mb, \
+    page_size_mb, cross_stream_reuse, shareable_handle, peer_access, and PyTorch's keys that do not \
+    affect device memory (release_lock_on_cudamalloc, pinned_*, graph_capture_record_stream_reuse, \
+    throw_on_cudamalloc_oom, expandable_segments_reserve, expandable_segments_reserve_by_class)";
 
 /// Megabyte counts stay far from overflowing when multiplied out.
 const MAX_MB: u64 = 1 << 40;
+/// PyTorch's expandable segments map the large pool in handles of `kLargeBuffer`.
+const HANDLE_LARGE_MB: u64 = 20;
+
+/// PyTorch's keys that shape nothing gpupool simulates: its pinned host-memory allocator, CUDA
+/// graph capture, the lock it drops around `cudaMalloc`, the virtual address space reserved
+/// for expandable segments, and `throw_on_cudamalloc_oom` (a request beyond the memory fraction
+/// fails before the driver is called, which gpupool's limit always does). Accepted, validated
+/// as PyTorch does, and listed in [`Config::inert`].
+pub const NO_DEVICE_MEMORY_EFFECT: [&str; 14] = [
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+    "pinned_max_cached_size_mb",
+    "pinned_max_round_threshold_mb",
+    "pinned_free_catch_all",
+    "graph_capture_record_stream_reuse",
+    "throw_on_cudamalloc_oom",
+    "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class",
+];
+/// PyTorch's cap on `pinned_num_register_threads`.
+const MAX_REGISTER_THREADS: u64 = 128;
 
 /// The `(key, value)` items of a config string.
 pub(super) fn items(text: &str) -> Result<Vec<(String, String)>, ConfigError> {
@@ -66,9 +94,19 @@ pub(super) struct Keys {
     page_size_mb: Option<u64>,
     cross_stream_reuse: Option<CrossStreamReuse>,
     mapping: MappingOptions,
+    /// Keys set that do not affect device memory, in the order first given.
+    inert: Vec<&'static str>,
 }
 
 impl Keys {
+    fn note_inert(&mut self, key: &str) {
+        if let Some(&name) = NO_DEVICE_MEMORY_EFFECT.iter().find(|&&k| k == key) {
+            if !self.inert.contains(&name) {
+                self.inert.push(name);
+            }
+        }
+    }
+
     /// Records one item; a later item with the same key wins, as in PyTorch.
     pub(super) fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
         match key {
@@ -93,6 +131,7 @@ impl Keys {
             "expandable_segments" => self.expandable_segments = Some(boolean(key, value)?),
             "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
                 self.release_lock_on_cudamalloc = boolean(key, value)?;
+                self.note_inert(key);
             }
             "release_threshold" => self.release_threshold = Some(fraction(key, value, true)?),
             "initial_pool_size_mb" => self.initial_pool_size_mb = Some(at_least(key, value, 0)?),
@@ -105,7 +144,6 @@ impl Keys {
                 let modes = [CrossStreamReuse::Never, CrossStreamReuse::Completed, CrossStreamReuse::Wait];
                 self.cross_stream_reuse = Some(choice(key, value, &modes.map(|m| (m.name(), m)))?);
             }
-            // PyTorch's pinned host memory and CUDA graph keys: nothing here for them to tune.
             "pinned_use_cuda_host_register"
             | "pinned_use_hip_host_register"
             | "pinned_use_background_threads"
@@ -113,10 +151,26 @@ impl Keys {
             | "graph_capture_record_stream_reuse"
             | "throw_on_cudamalloc_oom" => {
                 boolean(key, value)?;
+                self.note_inert(key);
             }
-            "pinned_num_register_threads" | "pinned_reserve_segment_size_mb" => {
+            "pinned_num_register_threads" => {
+                let threads = at_least(key, value, 1)?;
+                if !threads.is_power_of_two() || threads > MAX_REGISTER_THREADS {
+                    let why = format!("a power of two up to {MAX_REGISTER_THREADS}");
+                    return Err(ConfigError(format!("config key '{key}' needs {why}, got '{value}'")));
+                }
+                self.note_inert(key);
+            }
+            "pinned_reserve_segment_size_mb" => {
                 at_least(key, value, 1)?;
+                self.note_inert(key);
             }
+            "pinned_max_cached_size_mb" | "pinned_max_round_threshold_mb" => {
+                at_least(key, value, 0)?;
+                self.note_inert(key);
+            }
+            // PyTorch warns about a malformed reserve and keeps its default: so does this.
+            "expandable_segments_reserve" | "expandable_segments_reserve_by_class" => self.note_inert(key),
             _ => return Err(ConfigError(format!("unknown config key '{key}' (known keys: {KNOWN_KEYS})"))),
         }
         Ok(())
@@ -127,7 +181,7 @@ impl Keys {
         let default_initial = if strategy == Strategy::Arena { DEFAULT_ARENA_MB } else { 0 };
         let initial_mb = self.initial_pool_size_mb.unwrap_or(default_initial);
         let mut rules = match strategy {
-            Strategy::Pytorch | Strategy::Expandable => Rules::pytorch(),
+            Strategy::Pytorch | Strategy::Expandable | Strategy::Pages => Rules::pytorch(),
             // One address range for every size: small blocks fill the edge pages of large ones.
             Strategy::Default => Rules { small_pool: false, ..Rules::pytorch() },
             Strategy::Bfc => Rules::bfc(),
@@ -145,13 +199,22 @@ impl Keys {
             rules.large_segment = mb * MIB;
         }
         rules.power2_divisions = self.power2_divisions.filter(|table| table.iter().any(|&d| d > 1));
-        let paged = matches!(strategy, Strategy::Expandable | Strategy::Default);
-        let page_size = paged.then(|| self.page_size_mb.unwrap_or(DEFAULT_PAGE_MB) * MIB);
+        let page = |default_mb: u64| self.page_size_mb.unwrap_or(default_mb) * MIB;
+        let paging = match strategy {
+            // PyTorch's handle sizes: its small and large segment sizes (kSmallBuffer, kLargeBuffer).
+            Strategy::Expandable => {
+                Some(Paging { page: [page(DEFAULT_PAGE_MB), page(HANDLE_LARGE_MB)], mode: PagingMode::Handles })
+            }
+            Strategy::Pages | Strategy::Default => {
+                Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pages })
+            }
+            _ => None,
+        };
         Ok(Config {
             strategy,
             rules,
             cross_stream_reuse: self.cross_stream_reuse.unwrap_or_default(),
-            page_size,
+            paging,
             backend: self.backend.unwrap_or_default(),
             // Without pooling every free goes straight back to the device.
             release_threshold: self.release_threshold.or((strategy == Strategy::Direct).then_some(0.0)),
@@ -160,6 +223,7 @@ impl Keys {
             initial_pool_size: initial_mb * MIB,
             release_lock_on_cudamalloc: self.release_lock_on_cudamalloc,
             mapping: self.mapping,
+            inert: self.inert,
         })
     }
 
@@ -172,7 +236,7 @@ impl Keys {
         }
         if let Some(expandable) = self.expandable_segments {
             // PyTorch's switch picks between its two allocators, paged or not.
-            let paged = |s: Strategy| matches!(s, Strategy::Expandable | Strategy::Default);
+            let paged = |s: Strategy| matches!(s, Strategy::Expandable | Strategy::Pages | Strategy::Default);
             let label = if expandable { "expandable_segments:True" } else { "expandable_segments:False" };
             match self.strategy {
                 Some(s) if paged(s) != expandable => return Err(conflict(label, s)),
@@ -307,7 +371,11 @@ mod tests {
         assert_eq!(c.garbage_collection_threshold, Some(0.6));
         assert_eq!(c.per_process_memory_fraction, Some(0.5));
         assert_eq!(c.rules.large_segment, 32 * MIB);
-        assert!(c.release_lock_on_cudamalloc && c.page_size.is_none());
+        assert!(c.release_lock_on_cudamalloc && c.paging.is_none());
+        assert_eq!(
+            c.inert,
+            ["release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads"]
+        );
         assert_eq!(Config::parse("").unwrap(), Config::default());
         assert_eq!(Config::parse(" , ").unwrap(), Config::default());
         assert_eq!(Config::parse("roundup_power2_divisions:4").unwrap().rules.power2_divisions, Some([4; 16]));
@@ -319,7 +387,7 @@ mod tests {
         let parse = |s: &str| Config::parse(&format!("strategy:{s}")).unwrap();
         assert_eq!(parse("default"), Config::default());
         assert_eq!(parse("pytorch").rules, Rules::pytorch());
-        assert_eq!(parse("default").page_size, Some(2 * MIB));
+        assert_eq!(parse("default").paging, Some(Paging { page: [2 * MIB; 2], mode: PagingMode::Pages }));
         assert_eq!(parse("bfc").rules, Rules::bfc());
         let arena = parse("arena");
         assert_eq!((arena.initial_pool_size, arena.rules.growth_unit), (1024 * MIB, 1024 * MIB));
@@ -328,9 +396,12 @@ mod tests {
         assert_eq!(parse("eager").rules.split, SplitPolicy::Bfc);
         let direct = parse("direct");
         assert_eq!((direct.rules.growth, direct.release_threshold), (SegmentGrowth::Exact, Some(0.0)));
-        assert_eq!(parse("expandable").page_size, Some(2 * MIB));
+        // PyTorch's handles: 2 MiB in the small pool, 20 MiB in the large one.
+        assert_eq!(parse("expandable").paging, Some(Paging { page: [2 * MIB, 20 * MIB], mode: PagingMode::Handles }));
+        assert_eq!(parse("pages").paging, parse("default").paging);
+        assert_eq!(parse("pages").rules, Rules::pytorch());
         let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
-        assert_eq!((pages.strategy, pages.page_size), (Strategy::Expandable, Some(16 * MIB)));
+        assert_eq!((pages.strategy, pages.paging.unwrap().page), (Strategy::Expandable, [16 * MIB; 2]));
         // Order does not matter: overrides apply on top of the preset.
         let bfc = Config::parse("max_split_size_mb:40,strategy:bfc").unwrap();
         assert_eq!((bfc.rules.granule, bfc.rules.max_split_size), (256, 40 * MIB));
@@ -368,6 +439,10 @@ mod tests {
             ("initial_pool_size_mb:-1", "initial_pool_size_mb"),
             ("cross_stream_reuse:often", "cross_stream_reuse"),
             ("pinned_num_register_threads:x", "pinned_num_register_threads"),
+            ("pinned_num_register_threads:3", "power of two"),
+            ("pinned_num_register_threads:256", "up to 128"),
+            ("pinned_reserve_segment_size_mb:0", "pinned_reserve_segment_size_mb"),
+            ("throw_on_cudamalloc_oom:maybe", "throw_on_cudamalloc_oom"),
             ("strategy:bfc,expandable_segments:True", "contradicts strategy 'bfc'"),
             ("strategy:expandable,expandable_segments:False", "expandable_segments:False"),
             ("strategy:pytorch,backend:cudaMallocAsync", "backend:cudaMallocAsync"),
@@ -376,6 +451,29 @@ mod tests {
             let message = err(text);
             assert!(message.contains(needle), "{text}: {message}");
         }
+    }
+
+    /// Every key current PyTorch accepts in `PYTORCH_ALLOC_CONF` (c10/core/AllocatorConfig.h and
+    /// c10/cuda/CUDAAllocatorConfig.cpp, 2.13) parses; those without effect on device memory say so.
+    #[test]
+    fn every_current_pytorch_key_is_accepted() {
+        let c = Config::parse(
+            "backend:native,large_segment_size_mb:20,max_split_size_mb:64,max_non_split_rounding_mb:40,\
+             garbage_collection_threshold:0.7,roundup_power2_divisions:[64:8,>:4],expandable_segments:False,\
+             pinned_use_background_threads:True,release_lock_on_cudamalloc:False,\
+             pinned_use_cuda_host_register:True,pinned_num_register_threads:16,pinned_reserve_segment_size_mb:64,\
+             pinned_max_cached_size_mb:1024,pinned_max_round_threshold_mb:1,pinned_free_catch_all:True,\
+             graph_capture_record_stream_reuse:True,per_process_memory_fraction:0.9,throw_on_cudamalloc_oom:True,\
+             expandable_segments_reserve:40G,expandable_segments_reserve_by_class:[kv:0.5,weights:20G]",
+        )
+        .unwrap();
+        assert_eq!(c.per_process_memory_fraction, Some(0.9));
+        let mut inert = c.inert.clone();
+        inert.sort_unstable();
+        let mut expected: Vec<&str> = NO_DEVICE_MEMORY_EFFECT.iter().copied().filter(|k| !k.contains("hip")).collect();
+        expected.sort_unstable();
+        assert_eq!(inert, expected);
+        assert!(Config::parse("max_split_size_mb:64").unwrap().inert.is_empty());
     }
 
     #[test]

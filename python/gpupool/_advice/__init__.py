@@ -1,0 +1,1 @@
+"""``gpupool advise``: what-if answers from a PyTorch memory snapshot (see ``gpupool.advise``)."""

@@ -1,0 +1,145 @@
+"""What advice answers, for one device of one trace: the figures of each configuration, how the
+replay of the user's settings compares with the recorded run, and the recommendations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The min-capacity search stops within this share of the answer (gpupool.replay's search):
+# savings below it are not savings.
+TOLERANCE = 0.005
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """One configuration replayed from the blocks live when recording began."""
+
+    config: str
+    family: str
+    env: str
+    gpupool_config: str
+    as_run: bool
+    peak_reserved_bytes: int
+    min_capacity_bytes: int
+    # Reserved beyond the most bytes the job held: peak reserved minus peak live.
+    fragmentation_bytes: int
+    driver_calls: int
+    # Whether it runs on the device given with ``capacity`` (None without one).
+    fits: bool | None
+    headroom_bytes: int | None
+    # (event index, reserved bytes, live bytes), each point the highest until the next.
+    timeline: tuple[list[int], list[int], list[int]] = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "family": self.family,
+            "env": self.env,
+            "as_run": self.as_run,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "min_capacity_bytes": self.min_capacity_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "driver_calls": self.driver_calls,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the user ran and how closely the replay of it matches the recorded run."""
+
+    # The PYTORCH_ALLOC_CONF value in effect ("" for PyTorch's defaults).
+    config: str
+    settings_recorded: bool
+    # From the snapshot's own segment events; None without any.
+    peak_reserved_bytes: int | None
+    replayed_peak_reserved_bytes: int | None
+    # Share of the recorded segment decisions the replay made alike and in order.
+    segment_decisions_matched: float | None
+    segment_decisions: int
+    replayed_segment_decisions: int | None
+    # "recorded start": seeded with the segments and blocks that existed when recording began;
+    # "nothing": from the live blocks alone (a paged or driver-pooled allocator).
+    replayed_from: str
+    start_reserved_bytes: int
+    inert_keys: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "settings_recorded": self.settings_recorded,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "replayed_peak_reserved_bytes": self.replayed_peak_reserved_bytes,
+            "segment_decisions_matched": self.segment_decisions_matched,
+            "segment_decisions": self.segment_decisions,
+            "replayed_segment_decisions": self.replayed_segment_decisions,
+            "replayed_from": self.replayed_from,
+            "start_reserved_bytes": self.start_reserved_bytes,
+            "inert_keys": self.inert_keys,
+        }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    family: str
+    config: str
+    # The line to paste: PYTORCH_ALLOC_CONF=... or GPUPOOL_ALLOC_CONF=...
+    env: str
+    min_capacity_bytes: int
+    # Against what the user ran (negative would be a loss; the user's own settings compete).
+    saved_bytes: int
+    saved_fraction: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "env": self.env,
+            "min_capacity_bytes": self.min_capacity_bytes,
+            "saved_bytes": self.saved_bytes,
+            "saved_fraction": self.saved_fraction,
+        }
+
+
+@dataclass
+class Advice:
+    """The answer for one device of one trace (``gpupool.advise``)."""
+
+    trace: str
+    device: int
+    # The replayed trace's events: first one allocation per block live when recording began
+    # (``history_start`` of them), then the recorded history.
+    events: int
+    history_start: int
+    peak_live_bytes: int
+    # "history" (allocations recorded) or "segments" (only the final segments: the figures are
+    # for holding the blocks live at the snapshot).
+    scope: str
+    capacity_bytes: int | None
+    recorded: Recorded
+    candidates: list[CandidateResult]
+    recommended: dict[str, Recommendation]
+    top_sites: list[tuple[str, int]]
+    notes: list[str]
+
+    @property
+    def as_run(self) -> CandidateResult:
+        return next(c for c in self.candidates if c.as_run)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``--json`` object."""
+        return {
+            "trace": self.trace,
+            "device": self.device,
+            "events": self.events,
+            "history_start": self.history_start,
+            "peak_live_bytes": self.peak_live_bytes,
+            "scope": self.scope,
+            "capacity_bytes": self.capacity_bytes,
+            "recorded": self.recorded.as_dict(),
+            "candidates": [c.as_dict() for c in self.candidates],
+            "recommended": {family: r.as_dict() for family, r in self.recommended.items()},
+            "top_sites": [{"frame": frame, "bytes_at_peak": held} for frame, held in self.top_sites],
+            "notes": self.notes,
+        }

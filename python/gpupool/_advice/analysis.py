@@ -1,0 +1,262 @@
+"""The advice itself: load, rebuild the start, replay the user's settings against the record,
+replay every candidate (in parallel: the native replay releases the GIL), recommend."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from gpupool import _native
+from gpupool import trace as gtrace
+from gpupool._advice import candidates as _candidates
+from gpupool._advice import fidelity, settings, sites, snapshot, start
+from gpupool._advice.advice import TOLERANCE, Advice, CandidateResult, Recommendation, Recorded
+from gpupool._advice.snapshot import DeviceRecord, Snapshot
+
+TOP_SITES = 10
+GiB = 1 << 30
+
+# Called with (replays done, replays in all, what is running) as the work goes on.
+Progress = Callable[[int, int, str], None]
+
+
+def _replay_all(
+    trace: _native.Trace,
+    options: Sequence[_candidates.Candidate],
+    state: start.StartState,
+    progress: Progress | None,
+    workers: int | None = None,
+) -> list[tuple[Any, list[tuple[str, int]]]]:
+    """Every candidate with its min-capacity search, on ``workers`` threads (one per core by
+    default): PyTorch's plain
+    segments from the recorded start (the as-run one with its segment decisions), the others
+    from the blocks live at the start."""
+    segments = [(s.address, s.size, s.small, s.stream) for s in state.segments]
+
+    def run(c: _candidates.Candidate) -> tuple[Any, list[tuple[str, int]]]:
+        if c.seeded:
+            result, decisions, _ = _native.replay_from_start(trace, c.config, segments, True, c.as_run)
+            return result, decisions
+        return _native.replay(trace, c.config, None, True), []
+
+    if progress:
+        progress(0, len(options), "replaying")
+    workers = max(1, min(len(options), workers or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as executor:
+        futures = [executor.submit(run, c) for c in options]
+        results = []
+        for done, future in enumerate(futures, 1):
+            results.append(future.result())
+            if progress:
+                progress(done, len(options), options[done - 1].label)
+    return results
+
+
+def _candidate_result(c: _candidates.Candidate, result: Any, capacity: int | None) -> CandidateResult:
+    minimum = result.min_capacity_bytes
+    fits = None if capacity is None else minimum <= capacity
+    return CandidateResult(
+        config=c.label,
+        family=c.family,
+        env=c.env,
+        gpupool_config=c.config,
+        as_run=c.as_run,
+        peak_reserved_bytes=result.peak_reserved_bytes,
+        min_capacity_bytes=minimum,
+        fragmentation_bytes=result.peak_reserved_bytes - result.peak_live_bytes,
+        driver_calls=result.device_calls,
+        fits=fits,
+        headroom_bytes=None if capacity is None else capacity - minimum,
+        timeline=result.timeline,
+    )
+
+
+def _recommend(results: Sequence[CandidateResult], family: str) -> Recommendation:
+    """The family's configuration that needs the smallest device (fewer driver calls break
+    ties); what the user ran unless another saves more than the search's tolerance."""
+    as_run = next(r for r in results if r.as_run)
+    best = min((r for r in results if r.family == family), key=lambda r: (r.min_capacity_bytes, r.driver_calls))
+    if (
+        family == "pytorch"
+        and as_run.min_capacity_bytes - best.min_capacity_bytes <= TOLERANCE * as_run.min_capacity_bytes
+    ):
+        best = as_run
+    saved = as_run.min_capacity_bytes - best.min_capacity_bytes
+    variable = "PYTORCH_ALLOC_CONF" if family == "pytorch" else "GPUPOOL_ALLOC_CONF"
+    return Recommendation(
+        family=family,
+        config=best.config,
+        env=f"{variable}={best.env}",
+        min_capacity_bytes=best.min_capacity_bytes,
+        saved_bytes=saved,
+        saved_fraction=saved / max(as_run.min_capacity_bytes, 1),
+    )
+
+
+def _start_notes(record: DeviceRecord, state: start.StartState, scope: str) -> list[str]:
+    notes = []
+    if scope == "segments":
+        notes.append(
+            "No allocation history, only the segments at the snapshot: the figures are for holding "
+            "the blocks live at that moment. The peak over the run, the minimum device for the whole "
+            "job and the allocator's decisions cannot be answered from this file; record a history "
+            "with torch.cuda.memory._record_memory_history() before the job's peak."
+        )
+    elif state.blocks or state.segments:
+        held = sum(b.requested for b in state.blocks)
+        notes.append(
+            f"Recording began mid-run: {len(state.blocks)} blocks ({held / GiB:.2f} GiB) were live and "
+            f"{len(state.segments)} segments ({state.reserved_bytes / GiB:.2f} GiB) reserved before its "
+            "first entry; replays start from them."
+        )
+    if state.stray_blocks:
+        notes.append(f"{state.stray_blocks} live blocks lie outside every segment the snapshot lists.")
+    private = [s for s in record.segments if s.private]
+    if private:
+        held = sum(s.size for s in private) / GiB
+        notes.append(
+            f"{len(private)} segments ({held:.2f} GiB) belong to private pools (CUDA graphs); replays treat "
+            "their free space as the default pool's, so they may reuse memory PyTorch kept for the graphs."
+        )
+    failures = sum(1 for row in record.rows if row[0] == "oom")
+    if failures:
+        notes.append(f"The recorded run hit {failures} out-of-memory errors; replays skip those requests as it did.")
+    for action, count in sorted(record.skipped_actions.items()):
+        notes.append(f"Skipped {count} '{action}' entries this version does not know.")
+    return notes
+
+
+def _recorded(
+    record: DeviceRecord,
+    ran: settings.Settings,
+    state: start.StartState,
+    as_run: CandidateResult,
+    seeded: bool,
+    replayed_decisions: list[tuple[str, int]],
+) -> tuple[Recorded, list[str]]:
+    decisions = fidelity.recorded_decisions(record.rows)
+    notes = []
+    if record.allocations and not seeded:
+        notes.append("Paged and driver-pooled runs are replayed from their live blocks, not their segments.")
+    if ran.inert:
+        notes.append("Settings accepted without effect on device memory: " + ", ".join(ran.inert) + ".")
+    if ran.unknown:
+        notes.append("Recorded settings not simulated: " + "; ".join(ran.unknown) + ".")
+    if not ran.recorded:
+        notes.append("The snapshot records no allocator settings: PyTorch's defaults are assumed.")
+    recorded = Recorded(
+        config=ran.env,
+        settings_recorded=ran.recorded,
+        peak_reserved_bytes=fidelity.recorded_peak_reserved(decisions, state.reserved_bytes),
+        replayed_peak_reserved_bytes=as_run.peak_reserved_bytes,
+        segment_decisions_matched=fidelity.matched(decisions, replayed_decisions) if seeded else None,
+        segment_decisions=len(decisions),
+        replayed_segment_decisions=len(replayed_decisions) if seeded else None,
+        replayed_from="recorded start" if seeded else "live blocks",
+        start_reserved_bytes=state.reserved_bytes,
+        inert_keys=list(ran.inert),
+    )
+    return recorded, notes
+
+
+def advise_device(
+    name: str,
+    record: DeviceRecord,
+    ran: settings.Settings,
+    capacity: int | None = None,
+    progress: Progress | None = None,
+) -> Advice:
+    """The advice for one device's history and segments, with ``ran`` the settings in effect."""
+    state = start.starting_state(record.rows, record.segments)
+    where = f"{name}, device {record.device}"
+    before = [(b.address, b.requested, b.stream) for b in state.blocks]
+    trace = _native.Trace.from_snapshot_entries(where, record.rows, before)
+    scope = "history" if record.allocations else "segments"
+    options = _candidates.candidates(ran.env)
+    replays = _replay_all(trace, options, state, progress)
+    results = [_candidate_result(c, r, capacity) for c, (r, _) in zip(options, replays, strict=True)]
+    at = next(i for i, c in enumerate(options) if c.as_run)
+    recorded, recorded_notes = _recorded(record, ran, state, results[at], options[at].seeded, replays[at][1])
+    frames_at_start = {b.address: b.frames for s in record.segments for b in s.blocks if b.live}
+    start_blocks = [(b.address, b.requested, frames_at_start.get(b.address, ())) for b in state.blocks]
+    return Advice(
+        trace=name,
+        device=record.device,
+        events=len(trace),
+        history_start=len(state.blocks),
+        peak_live_bytes=trace.peak_live_bytes,
+        scope=scope,
+        capacity_bytes=capacity,
+        recorded=recorded,
+        candidates=results,
+        recommended={family: _recommend(results, family) for family in ("pytorch", "gpupool")},
+        top_sites=sites.at_peak(record.rows, record.frames, start_blocks, TOP_SITES),
+        notes=_start_notes(record, state, scope) + recorded_notes,
+    )
+
+
+def _traced(trace: gtrace.Trace) -> Snapshot:
+    """A trace without segments, settings or frames (an RMM CSV's) as a one-device snapshot."""
+    rows = [({"free": "free_completed"}.get(e.action, e.action), *e[1:]) for e in trace]
+    return Snapshot(trace.name, [DeviceRecord(0, rows, {}, [], {})], None)
+
+
+def load(source: Any) -> Snapshot:
+    """A snapshot from a path (pickle or RMM CSV), a snapshot dict, or a loaded ``gpupool.Trace``."""
+    if isinstance(source, gtrace.Trace):
+        return _traced(source)
+    if isinstance(source, dict):
+        return snapshot.from_dict(source, "snapshot")
+    path = os.fspath(source)
+    return snapshot.read(path) if gtrace._is_pickle(path) else _traced(gtrace.load(path))
+
+
+def _capacity(capacity: int | str | None) -> int | None:
+    if capacity is None or isinstance(capacity, int):
+        return capacity
+    return _native.parse_size(capacity)
+
+
+def advise_each(source: Any, capacity: int | str | None = None, progress: Progress | None = None) -> list[Advice]:
+    """The advice for every device of ``source`` (see ``advise``) that has a history or segments."""
+    # Advice builds plain data only; a million-event snapshot is millions of objects that the
+    # cyclic collector would otherwise walk again and again.
+    with gtrace._no_cycle_collection():
+        return _advise_each(source, capacity, progress)
+
+
+def _advise_each(source: Any, capacity: int | str | None, progress: Progress | None) -> list[Advice]:
+    loaded = load(source)
+    if not loaded.devices:
+        raise ValueError(f"{loaded.name}: no device has a history or segments")
+    ran = settings.from_recorded(loaded.settings)
+    limit = _capacity(capacity)
+    return [advise_device(loaded.name, record, ran, limit, progress) for record in loaded.devices]
+
+
+def advise(source: Any, capacity: int | str | None = None, device: int | None = None) -> Advice:
+    """What-if answers for a PyTorch job from its memory snapshot: how closely a replay of the
+    recorded settings matches the recorded run, what every stock PyTorch setting and gpupool
+    strategy would need, the best of each, and the allocation sites holding the most at the peak.
+
+    ``source`` is a snapshot pickle (``torch.cuda.memory._dump_snapshot``) or RMM CSV path, a
+    snapshot dict, or a ``gpupool.Trace``. ``capacity`` (bytes or a size such as ``"80GiB"``)
+    adds whether each configuration fits that device. A snapshot of several devices needs
+    ``device``; ``advise_each`` advises them all."""
+    with gtrace._no_cycle_collection():
+        return _advise_one(source, capacity, device)
+
+
+def _advise_one(source: Any, capacity: int | str | None, device: int | None) -> Advice:
+    loaded = load(source)
+    records = [r for r in loaded.devices if device is None or r.device == device]
+    if not records:
+        have = [r.device for r in loaded.devices]
+        raise ValueError(f"{loaded.name}: no device {device} with a history or segments (devices: {have})")
+    if len(records) > 1:
+        have = [r.device for r in records]
+        raise ValueError(f"{loaded.name}: devices {have} have data; pick one with device=N, or use advise_each")
+    ran = settings.from_recorded(loaded.settings)
+    return advise_device(loaded.name, records[0], ran, _capacity(capacity))

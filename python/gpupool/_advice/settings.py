@@ -1,0 +1,109 @@
+"""The allocator settings a snapshot recorded, as a ``PYTORCH_ALLOC_CONF`` value and as the gpupool
+configuration that replays it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpupool import _native
+
+MiB = 1 << 20
+# ``max_split_size`` is SIZE_MAX (-1 as PyTorch's int64) when unset.
+_UNLIMITED = (-1, (1 << 64) - 1, (1 << 63) - 1)
+# The recorded string, under the name each PyTorch version wrote it.
+_STRING_KEYS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "last_allocator_settings")
+# Recorded fields that repeat a key of the string, and fields that are no config key at all.
+_FIELDS = {
+    "max_split_size",
+    "garbage_collection_threshold",
+    "expandable_segments",
+    "roundup_power2_divisions",
+    "release_lock_on_cudamalloc",
+    "pinned_num_register_threads",
+    "pinned_use_cuda_host_register",
+    "pinned_use_background_threads",
+    "graph_capture_record_stream_reuse",
+}
+
+
+@dataclass
+class Settings:
+    """What the user ran: ``env`` is the ``PYTORCH_ALLOC_CONF`` value (empty: PyTorch's defaults)."""
+
+    env: str
+    recorded: bool
+    # Keys given that gpupool accepts without simulating them (they do not affect device memory).
+    inert: list[str] = field(default_factory=list)
+    # Recorded fields and keys gpupool does not know or cannot take (a newer PyTorch's), with why.
+    unknown: list[str] = field(default_factory=list)
+
+    @property
+    def expandable(self) -> bool:
+        return "expandable_segments:True" in self.env.split(",")
+
+
+def _items(text: str) -> dict[str, str]:
+    """``key:value`` items of a config string, brackets kept whole, later keys winning."""
+    items, depth, start = {}, 0, 0
+    compact = "".join(text.split())
+    for index, char in enumerate(compact + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            item = compact[start:index]
+            start = index + 1
+            if ":" in item:
+                key, value = item.split(":", 1)
+                items[key] = value
+    return items
+
+
+def _divisions(table: Any) -> str | None:
+    """``roundup_power2_divisions`` as recorded ({interval start in MiB: divisions}) in list form."""
+    if not isinstance(table, Mapping):
+        return None
+    pairs = sorted((int(start), int(count)) for start, count in table.items() if str(start).isdigit())
+    if not any(count > 1 for _, count in pairs):
+        return None
+    return "[" + ",".join(f"{start}:{count}" for start, count in pairs) + "]"
+
+
+def from_recorded(recorded: Mapping[str, Any] | None) -> Settings:
+    """The settings of ``allocator_settings`` (PyTorch's defaults when the snapshot has none)."""
+    if recorded is None:
+        return Settings("", recorded=False)
+    text = next((v for k in _STRING_KEYS if isinstance(v := recorded.get(k), str)), "")
+    items = _items(text)
+    split = recorded.get("max_split_size")
+    if isinstance(split, int) and split not in _UNLIMITED and split > 0:
+        items["max_split_size_mb"] = str(split // MiB)
+    threshold = recorded.get("garbage_collection_threshold")
+    if isinstance(threshold, (int, float)) and 0 < threshold < 1:
+        items["garbage_collection_threshold"] = repr(float(threshold))
+    if recorded.get("expandable_segments") is True:
+        items["expandable_segments"] = "True"
+    if divisions := _divisions(recorded.get("roundup_power2_divisions")):
+        items["roundup_power2_divisions"] = divisions
+    unknown = [f"{k} (recorded field)" for k in sorted(recorded) if k not in _FIELDS and k not in _STRING_KEYS]
+    kept = {}
+    for key, value in items.items():
+        try:
+            _native.inert_keys(f"{key}:{value}")
+        except ValueError as error:
+            unknown.append(f"{key}:{value} ({error})")
+            continue
+        kept[key] = value
+    env = ",".join(f"{key}:{value}" for key, value in kept.items())
+    return Settings(env, recorded=True, inert=_native.inert_keys(env), unknown=unknown)
+
+
+def gpupool_config(env: str) -> str:
+    """The gpupool configuration that behaves as PyTorch's allocator with ``env`` set: its rules,
+    its expandable segments, or no pooling for the driver's allocator, and never a block passed
+    to another stream."""
+    items = _items(env)
+    if items.get("backend") == "cudaMallocAsync":
+        return env
+    strategy = "expandable" if items.get("expandable_segments") == "True" else "pytorch"
+    return ",".join(filter(None, (f"strategy:{strategy}", "cross_stream_reuse:never", env)))

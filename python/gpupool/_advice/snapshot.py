@@ -1,0 +1,202 @@
+"""A snapshot as advice reads it: per device, the history entries, the final segments and their
+blocks, and where each allocation was made; read from plain data only, never run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpupool import trace as _trace
+
+Row = tuple[str, int, int, int, float]
+
+# Actions PyTorch records in ``device_traces``; anything else (a newer PyTorch's) is skipped
+# and counted, so that an unknown kind of entry does not stop the advice.
+KNOWN_ACTIONS = frozenset(
+    (
+        "alloc",
+        "free_requested",
+        "free_completed",
+        "segment_alloc",
+        "segment_free",
+        "segment_map",
+        "segment_unmap",
+        "snapshot",
+        "oom",
+    )
+)
+SEGMENT_ACTIONS = frozenset(("segment_alloc", "segment_free", "segment_map", "segment_unmap"))
+# Block states of memory a user holds (pending: freed, waiting for other streams).
+LIVE_STATES = frozenset(("active_allocated", "active_pending_free"))
+SMALL_SEGMENT = 2 << 20
+
+
+@dataclass
+class Block:
+    address: int
+    size: int
+    requested: int
+    live: bool
+    frames: Sequence[Any] = ()
+
+
+@dataclass
+class Segment:
+    address: int
+    size: int
+    small: bool
+    stream: int
+    expandable: bool
+    blocks: list[Block] = field(default_factory=list)
+    # In a private pool (a CUDA graph's), whose free space serves only that pool.
+    private: bool = False
+
+
+@dataclass
+class DeviceRecord:
+    """One device's part of a snapshot."""
+
+    device: int
+    rows: list[Row]
+    # The recorded stack frames of each row that has some (by row index).
+    frames: dict[int, Sequence[Any]]
+    segments: list[Segment]
+    skipped_actions: dict[str, int]
+
+    @property
+    def allocations(self) -> int:
+        return sum(1 for row in self.rows if row[0] == "alloc")
+
+
+@dataclass
+class Snapshot:
+    name: str
+    devices: list[DeviceRecord]
+    # ``allocator_settings`` as recorded; ``None`` when the snapshot has none.
+    settings: Mapping[str, Any] | None
+
+
+def _int(value: Any, what: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}: '{what}' must be a non-negative int, got {value!r:.60}")
+    return value
+
+
+def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
+    """The segment's blocks; old snapshots give no block addresses, which follow from the sizes."""
+    raw = segment.get("blocks", [])
+    if not isinstance(raw, list):
+        raise ValueError(f"{where}: 'blocks' must be a list")
+    blocks, address = [], _int(segment.get("address"), "address", where)
+    for index, block in enumerate(raw):
+        at = f"{where}, block {index}"
+        if not isinstance(block, Mapping):
+            raise ValueError(f"{at}: expected a dict, got {block!r:.60}")
+        size = _int(block.get("size"), "size", at)
+        address = _int(block.get("address", address), "address", at)
+        requested = block.get("requested_size", size)
+        frames = block.get("frames")
+        history = block.get("history")
+        if frames is None and isinstance(history, list) and history and isinstance(history[-1], Mapping):
+            frames = history[-1].get("frames")
+        live = block.get("state") in LIVE_STATES
+        blocks.append(Block(address, size, _int(requested, "requested_size", at), live, frames or ()))
+        address += size
+    return blocks
+
+
+def _segments(snapshot: Mapping[str, Any], name: str) -> dict[int, list[Segment]]:
+    raw = snapshot.get("segments", [])
+    if not isinstance(raw, list):
+        raise ValueError(f"{name}: 'segments' must be a list")
+    by_device: dict[int, list[Segment]] = {}
+    for index, segment in enumerate(raw):
+        where = f"{name}, segment {index}"
+        if not isinstance(segment, Mapping):
+            raise ValueError(f"{where}: expected a dict, got {segment!r:.60}")
+        device = _int(segment.get("device", 0), "device", where)
+        size = _int(segment.get("total_size"), "total_size", where)
+        kind = segment.get("segment_type")
+        small = kind == "small" if kind in ("small", "large") else size <= SMALL_SEGMENT
+        stream = _int(segment.get("stream", 0), "stream", where)
+        pool_id = segment.get("segment_pool_id")
+        parsed = Segment(
+            _int(segment.get("address"), "address", where),
+            size,
+            small,
+            stream,
+            bool(segment.get("is_expandable", False)),
+            _blocks(segment, where),
+            private=isinstance(pool_id, (tuple, list)) and any(pool_id),
+        )
+        by_device.setdefault(device, []).append(parsed)
+    return by_device
+
+
+def _fast_row(entry: Any) -> Row | None:
+    """The row of a well-formed ``alloc`` or ``free_*`` entry, checked inline (a million of them
+    take a second this way); ``None`` sends anything else to the full check."""
+    if type(entry) is not dict:
+        return None
+    addr, size, stream, time_us = entry.get("addr"), entry.get("size"), entry.get("stream", 0), entry.get("time_us", 0)
+    if type(addr) is int and type(size) is int and type(stream) is int and addr >= 0 and size >= 0 and stream >= 0:
+        if type(time_us) is int or type(time_us) is float:
+            return (entry["action"], addr, size, stream, float(time_us))
+    return None
+
+
+_FAST_ACTIONS = frozenset(("alloc", "free_completed", "segment_alloc", "segment_free"))
+
+
+def _device_rows(entries: list[Any], where: str) -> tuple[list[Row], dict[int, Sequence[Any]], dict[str, int]]:
+    rows: list[Row] = []
+    frames: dict[int, Sequence[Any]] = {}
+    skipped: dict[str, int] = {}
+    entry_row = _trace._entry_row
+    for index, entry in enumerate(entries):
+        action = entry.get("action") if isinstance(entry, Mapping) else None
+        # A block is reusable when its free completes; the request to free it changes nothing.
+        if action == "free_requested":
+            continue
+        row = _fast_row(entry) if action in _FAST_ACTIONS else None
+        if row is None:
+            if isinstance(action, str) and action not in KNOWN_ACTIONS:
+                skipped[action] = skipped.get(action, 0) + 1
+                continue
+            row = entry_row(entry, f"{where}, entry {index}")
+        if action == "alloc":
+            stack = entry.get("frames")
+            if stack:
+                frames[len(rows)] = stack
+        rows.append(row)
+    return rows, frames, skipped
+
+
+def from_dict(snapshot: Any, name: str) -> Snapshot:
+    """Every device of a snapshot dict with a history or segments."""
+    with _trace._no_cycle_collection():
+        return _from_dict(snapshot, name)
+
+
+def _from_dict(snapshot: Any, name: str) -> Snapshot:
+    traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise ValueError(f"{name}: not a PyTorch memory snapshot (no 'device_traces' list of lists)")
+    segments = _segments(snapshot, name)
+    devices = []
+    for device in sorted(set(range(len(traces))) | set(segments)):
+        entries = traces[device] if device < len(traces) else []
+        if not entries and not segments.get(device):
+            continue
+        rows, frames, skipped = _device_rows(entries, f"{name}, device_traces[{device}]")
+        devices.append(DeviceRecord(device, rows, frames, segments.get(device, []), skipped))
+    settings = snapshot.get("allocator_settings")
+    return Snapshot(name, devices, settings if isinstance(settings, Mapping) else None)
+
+
+def read(path: str | os.PathLike[str]) -> Snapshot:
+    """Reads a snapshot pickle (plain or gzip) through the restricted unpickler."""
+    name = os.fspath(path)
+    return from_dict(_trace._read_pickle(path), name)

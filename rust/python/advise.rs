@@ -1,0 +1,87 @@
+//! `gpupool._native.replay_from_start` and `matched_in_order`: what `gpupool advise` needs
+//! beyond plain replays, to check a replay of the recorded settings against the recorded run.
+
+use super::error::{pool_error, value_error};
+use super::replay::{PyReplayResult, MIN_CAPACITY_TOLERANCE, TIMELINE_POINTS};
+use super::trace::PyTrace;
+use crate::core::PoolKind;
+use crate::device::Sim;
+use crate::pool::{Config, Pool};
+use crate::trace::fidelity;
+use crate::trace::replay::Timeline;
+use crate::trace::start::{self, StartSegment};
+use pyo3::prelude::*;
+
+/// One start segment as the Python side hands it over: `(address, size, is_small, stream)`.
+type StartTuple = (u64, u64, bool, u64);
+/// The result, the pool's segment decisions `(action, size)` and the unplaced prelude blocks.
+type FromStartTuple = (PyReplayResult, Vec<(&'static str, u64)>, usize);
+
+/// Replays `trace` with `config` (plain segments only) on a `sim` device of `capacity` bytes
+/// (unlimited by default), from the segments in `start` and the trace's prelude blocks where
+/// they were recorded; with `min_capacity`, also searches for the smallest capacity that runs
+/// it so. Returns the result,
+/// the pool's segment decisions `(action, size)` in order (with `decisions`), and how many
+/// prelude blocks had to be allocated because no start segment held them.
+#[pyfunction]
+#[pyo3(signature = (trace, config, start, min_capacity = false, decisions = false, capacity = None))]
+pub fn replay_from_start(
+    py: Python<'_>,
+    trace: &PyTrace,
+    config: &str,
+    start: Vec<StartTuple>,
+    min_capacity: bool,
+    decisions: bool,
+    capacity: Option<u64>,
+) -> PyResult<FromStartTuple> {
+    let parsed = Config::parse(config).map_err(value_error)?;
+    let segments: Vec<StartSegment> = start
+        .into_iter()
+        .map(|(address, size, small, stream)| {
+            let kind = if small { PoolKind::Small } else { PoolKind::Large };
+            StartSegment { address, size, kind, stream }
+        })
+        .collect();
+    let events = trace.trace.clone();
+    let (from_start, timeline, min) = py
+        .detach(move || {
+            let mut timeline = Timeline::new(events.events().len(), TIMELINE_POINTS);
+            let mut pool = Pool::new(Sim::new(capacity.unwrap_or(u64::MAX)), parsed.clone());
+            let run = start::replay_from_start(&events, &segments, &mut pool, Some(&mut timeline), decisions)?;
+            let min = if min_capacity {
+                // An unlimited run is the search's first step; after a limited one it is redone.
+                let unlimited = match capacity {
+                    None => run.metrics.clone(),
+                    Some(_) => start::replay_from_start_sim(&events, &segments, &parsed, u64::MAX)?.metrics,
+                };
+                Some(start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, MIN_CAPACITY_TOLERANCE)?)
+            } else {
+                None
+            };
+            Ok((run, timeline, min))
+        })
+        .map_err(pool_error)?;
+    let decisions = from_start.segment_events.iter().map(|(action, size)| (action.name(), *size)).collect();
+    let result = PyReplayResult::on_sim(trace, config, capacity, from_start.metrics, min, timeline);
+    Ok((result, decisions, from_start.unplaced))
+}
+
+/// The keys of `config` that are accepted without affecting device memory; a bad config is a
+/// ValueError naming the key.
+#[pyfunction]
+pub fn inert_keys(config: &str) -> PyResult<Vec<&'static str>> {
+    Ok(Config::parse(config).map_err(value_error)?.inert)
+}
+
+/// How many items of `recorded` `replayed` reproduces alike and in the same order (their
+/// longest common subsequence); `None` when they differ by more than `max_edits` insertions
+/// and deletions.
+#[pyfunction]
+pub fn matched_in_order(
+    py: Python<'_>,
+    recorded: Vec<(String, u64)>,
+    replayed: Vec<(String, u64)>,
+    max_edits: usize,
+) -> Option<usize> {
+    py.detach(|| fidelity::matched_in_order(&recorded, &replayed, max_edits))
+}

@@ -1,0 +1,184 @@
+"""``gpupool advise`` on the snapshots users have: several devices, no ``time_us``, no
+settings, histories that start mid-run, ``oom`` entries, damaged or hostile files, CSVs; the
+progress bar shows only on a terminal."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import pty
+import subprocess
+import sys
+
+import pytest
+from advice_snapshots import MiB, entry, warmed_up, write
+
+import gpupool
+from gpupool import cli
+from gpupool._advice import settings
+
+
+def test_a_warmed_up_job_replays_from_where_recording_began(tmp_path):
+    entries, segments = warmed_up()
+    settings_ = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "expandable_segments": False}
+    path = write(tmp_path, {"device_traces": [entries], "segments": segments, "allocator_settings": settings_})
+    advice = gpupool.advise(path)
+    recorded = advice.recorded
+    # 64 MiB cached at the start, 24 MiB grown: the replay makes the same single decision.
+    assert (recorded.start_reserved_bytes, recorded.peak_reserved_bytes) == (64 * MiB, 88 * MiB)
+    assert (recorded.replayed_peak_reserved_bytes, recorded.segment_decisions_matched) == (88 * MiB, 1.0)
+    # The 4 MiB block freed in the history was live at its start.
+    assert advice.peak_live_bytes == 4 * MiB + 40 * MiB + 24 * MiB - 4 * MiB
+    assert advice.top_sites[0] == ("train.py:7 (step)", 40 * MiB)
+    assert any("Recording began mid-run: 1 blocks" in note for note in advice.notes)
+
+
+def test_several_devices_are_each_advised(tmp_path, capsys):
+    first, second = warmed_up(0), warmed_up(1)
+    path = write(tmp_path, {"device_traces": [first[0], second[0]], "segments": first[1] + second[1]})
+    assert [a.device for a in gpupool.advise_each(path)] == [0, 1]
+    with pytest.raises(ValueError, match=r"devices \[0, 1\] have data; pick one"):
+        gpupool.advise(path)
+    assert gpupool.advise(path, device=1).device == 1
+    assert cli.main(["advise", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "job.pickle, device 0" in out and "job.pickle, device 1" in out
+
+
+def test_no_time_us_and_no_settings_are_fine(tmp_path):
+    entries, segments = warmed_up(time_us=False)
+    assert all("time_us" not in e for e in entries)
+    advice = gpupool.advise(write(tmp_path, {"device_traces": [entries], "segments": segments}))
+    assert advice.recorded.segment_decisions_matched == 1.0
+    assert not advice.recorded.settings_recorded
+    assert any("PyTorch's defaults are assumed" in note for note in advice.notes)
+
+
+def test_oom_entries_and_unknown_actions_are_reported_not_fatal(tmp_path):
+    entries, segments = warmed_up()
+    entries.append({"action": "oom", "device_free": 3 * MiB, "size": 1 << 40, "stream": 0, "time_us": 9})
+    entries.append({"action": "cudagraph_replay", "addr": 0, "size": 0, "stream": 0})
+    advice = gpupool.advise(write(tmp_path, {"device_traces": [entries], "segments": segments}))
+    assert any("hit 1 out-of-memory errors" in note for note in advice.notes)
+    assert any("Skipped 1 'cudagraph_replay' entries" in note for note in advice.notes)
+    assert advice.as_run.min_capacity_bytes < 1 << 30, "the recorded failure is not attempted again"
+
+
+def test_expandable_runs_and_graph_pools_are_said_to_be_approximated(tmp_path):
+    entries, segments = warmed_up()
+    segments[1]["segment_pool_id"] = (1, 0)
+    recorded = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "expandable_segments": True}
+    advice = gpupool.advise(
+        write(tmp_path, {"device_traces": [entries], "segments": segments, "allocator_settings": recorded})
+    )
+    assert advice.as_run.gpupool_config.startswith("strategy:expandable")
+    assert advice.recorded.replayed_from == "live blocks" and advice.recorded.segment_decisions_matched is None
+    assert any("replayed from their live blocks" in note for note in advice.notes)
+    assert any("1 segments (0.02 GiB) belong to private pools" in note for note in advice.notes)
+
+
+def test_a_csv_and_a_loaded_trace_are_advised_too(tmp_path):
+    csv = tmp_path / "job.csv"
+    csv.write_text(
+        "Thread,Time,Action,Pointer,Size,Stream\n"
+        f"0,0,allocate,0x1000,{8 * MiB},0x0\n0,1,allocate,0x2000,{8 * MiB},0x0\n"
+        f"0,2,free,0x1000,{8 * MiB},0x0\n0,3,allocate,0x3000,{12 * MiB},0x0\n"
+    )
+    from_path = gpupool.advise(csv)
+    from_trace = gpupool.advise(gpupool.trace.load(csv))
+    assert from_path.peak_live_bytes == from_trace.peak_live_bytes == 20 * MiB
+    assert from_path.recorded.replayed_from == "recorded start" and from_path.recorded.start_reserved_bytes == 0
+    assert from_path.top_sites == [("(no Python frame recorded)", 20 * MiB)]
+
+
+class Exploit:
+    """Unpickling this would run a shell command."""
+
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_damaged_and_hostile_files_are_errors_naming_the_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    hostile = write(tmp_path, {"device_traces": [[Exploit()]], "segments": []}, "hostile.pickle")
+    truncated = tmp_path / "truncated.pickle"
+    truncated.write_bytes(pickle.dumps({"device_traces": [[entry("alloc", 1, 512)]], "segments": []})[:-9])
+    wrong = write(tmp_path, {"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]}, "wrong.pickle")
+    empty = write(tmp_path, {"device_traces": [], "segments": []}, "empty.pickle")
+    for path, why in [
+        (hostile, "only plain dicts, lists, strings and numbers are read"),
+        (truncated, "not a readable PyTorch memory snapshot"),
+        (wrong, "'addr' must be a non-negative int"),
+        (empty, "no device has a history or segments"),
+        (tmp_path / "missing.pickle", "No such file"),
+    ]:
+        with pytest.raises(SystemExit) as error:
+            cli.main(["advise", str(path)])
+        assert str(path.name) in str(error.value) and why in str(error.value)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_progress_bar_shows_on_a_terminal_only(tmp_path):
+    entries, segments = warmed_up()
+    path = write(tmp_path, {"device_traces": [entries], "segments": segments})
+    command = [sys.executable, "-m", "gpupool", "advise", str(path)]
+    piped = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert piped.stderr == "" and "The answer" not in piped.stderr
+    primary, secondary = pty.openpty()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=secondary) as process:
+        os.close(secondary)
+        out, _ = process.communicate(timeout=120)
+        err = b""
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            err += chunk
+    os.close(primary)
+    assert b"job.pickle: loading" in err and b"] " in err and b"job.pickle: strategy:eager" in err
+    assert b"Answer" in out
+
+
+@pytest.mark.parametrize(
+    ("recorded", "env", "inert"),
+    [
+        ({"max_split_size": -1, "garbage_collection_threshold": 0.0, "expandable_segments": False}, "", []),
+        (
+            {"max_split_size": 128 * MiB, "garbage_collection_threshold": 0.6},
+            "max_split_size_mb:128,garbage_collection_threshold:0.6",
+            [],
+        ),
+        (
+            {
+                "expandable_segments": True,
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,pinned_use_background_threads:True",
+            },
+            "expandable_segments:True,pinned_use_background_threads:True",
+            ["pinned_use_background_threads"],
+        ),
+        (
+            {
+                "PYTORCH_CUDA_ALLOC_CONF": "large_segment_size_mb:40, throw_on_cudamalloc_oom:True",
+                "roundup_power2_divisions": {"1": 0, "2": 4},
+            },
+            "large_segment_size_mb:40,throw_on_cudamalloc_oom:True,roundup_power2_divisions:[1:0,2:4]",
+            ["throw_on_cudamalloc_oom"],
+        ),
+    ],
+)
+def test_recorded_settings_become_the_line_the_user_set(recorded, env, inert):
+    ran = settings.from_recorded(recorded)
+    assert (ran.env, ran.inert) == (env, inert)
+    config = settings.gpupool_config(env)
+    assert config.startswith("strategy:expandable" if "expandable_segments:True" in env else "strategy:pytorch")
+    gpupool.Pool("sim", capacity="1GiB", config=config)
+
+
+def test_unknown_recorded_settings_are_named_not_fatal():
+    ran = settings.from_recorded({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,future_knob:3", "new_field": 1})
+    assert ran.env == "max_split_size_mb:64"
+    assert ran.unknown[0] == "new_field (recorded field)"
+    assert ran.unknown[1].startswith("future_knob:3 (unknown config key 'future_knob'")
