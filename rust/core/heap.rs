@@ -442,6 +442,13 @@ impl Heap {
         Ok(b)
     }
 
+    /// The use mask of the block a handle names, unvalidated (0 for an unknown index): a cheap
+    /// look before a validating call.
+    #[inline]
+    pub fn peek_uses(&self, handle: Handle) -> u32 {
+        self.blocks.get(handle.index as usize).map_or(0, |b| b.uses)
+    }
+
     /// Notes that `stream` uses this allocated block, so its free must wait for it. Returns
     /// false when the stream is too high for the block's mask: the caller must list it.
     pub fn mark_use(&mut self, handle: Handle, stream: u32) -> Result<bool, HeapError> {

@@ -17,6 +17,7 @@ pub(super) struct Epoch {
 }
 
 impl Heap {
+    #[inline]
     pub(super) fn epoch_mut(&mut self, stream: u32) -> &mut Epoch {
         if stream as usize >= self.epochs.len() {
             self.epochs.resize(stream as usize + 1, Epoch::default());

@@ -13,12 +13,16 @@ pub(super) struct Growth {
     region: u64,
     /// The most bytes the pool may reserve (fraction x capacity); `None` when unlimited.
     pub limit: Option<u64>,
+    /// The most one block can ever be: the limit, else the device's capacity (fixed for a
+    /// device's life, so the hot path need not ask it).
+    pub ceiling: Option<u64>,
 }
 
 impl Growth {
     pub fn new(config: &Config, capacity: Option<u64>) -> Self {
         let limit = config.per_process_memory_fraction.zip(capacity).map(|(f, total)| (total as f64 * f) as u64);
-        Growth { region: config.rules.growth_unit, limit }
+        let ceiling = limit.into_iter().chain(capacity).min();
+        Growth { region: config.rules.growth_unit, limit, ceiling }
     }
 }
 

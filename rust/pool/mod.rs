@@ -52,6 +52,8 @@ pub struct Pool<D: Device> {
     held: usize,
     /// Allocations freed while a stream they use was being captured into a CUDA graph.
     held_for_capture: Vec<Handle>,
+    /// Whether the device's streams can be captured: only then must the hot path ask.
+    captures_graphs: bool,
 }
 
 impl<D: Device> Pool<D> {
@@ -73,7 +75,9 @@ impl<D: Device> Pool<D> {
             growth,
             held: 0,
             held_for_capture: Vec::new(),
+            captures_graphs: false,
         };
+        pool.captures_graphs = pool.device.captures_graphs();
         pool.preallocate();
         pool
     }
@@ -139,7 +143,7 @@ impl<D: Device> Pool<D> {
     pub fn alloc_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
         // Asking whether the stream is being captured is itself a device call.
-        if !self.deferred.is_idle() || self.device.captures_graphs() {
+        if !self.deferred.is_idle() || self.captures_graphs {
             return Ok(None);
         }
         let rounded = self.heap.rules().round(size);
@@ -156,8 +160,8 @@ impl<D: Device> Pool<D> {
         Ok(Some(self.allocation(handle, address, size, stream)))
     }
 
+    /// `size` was validated by the caller.
     fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
-        Self::validate(size)?;
         self.settle_captured_frees()?;
         let rounded = self.heap.rules().round(size);
         if !self.deferred.is_idle() {
@@ -235,11 +239,12 @@ impl<D: Device> Pool<D> {
     /// transiently, so that happens even if nothing was freed).
     pub fn alloc_on(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         Self::validate(size)?;
-        self.refuse_capture(stream)?;
+        if self.captures_graphs {
+            self.refuse_capture(stream)?;
+        }
         // More than the device or the pool's limit could ever hold: no cache flush can help, and
         // no bookkeeping is set up for it.
-        let ceiling = self.growth.limit.into_iter().chain(self.device.memory_info().total).min();
-        if ceiling.is_some_and(|most| self.heap.rules().round(size) > most) {
+        if self.growth.ceiling.is_some_and(|most| self.heap.rules().round(size) > most) {
             return Err(self.out_of_memory(size, stream));
         }
         match self.try_cached(size, stream).and_then(|cached| match cached {
@@ -341,15 +346,30 @@ impl<D: Device> Pool<D> {
     /// Returns an allocation's block to the cache. A block used on other streams waits for
     /// events recorded on them now; otherwise the device is not called, unless the release
     /// watermark gives memory back. An error means nothing changed: the handle is still live.
+    #[inline]
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
-        if self.used_by_capture(handle)? {
+        if self.captures_graphs && self.used_by_capture(handle)? {
             self.held_for_capture.push(handle);
             return Ok(());
         }
+        // A peek: `release` validates the handle (and a stale one's new occupant has uses or not).
+        if self.heap.peek_uses(handle) != 0 {
+            return self.free_used(handle);
+        }
+        self.note_free(handle, false);
+        match self.heap.release(handle)? {
+            Released::Cached { segment } => self.after_free(segment),
+            Released::Pending { id, segment, .. } => self.wait_or_cache(id, segment, Vec::new()),
+        }
+        Ok(())
+    }
+
+    /// [`Pool::free`] of a block other streams used: their events are recorded first, so that if
+    /// the device refuses one the free has not happened and can be retried.
+    #[cold]
+    fn free_used(&mut self, handle: Handle) -> Result<(), PoolError> {
         let uses = self.heap.block(handle)?.uses;
-        // Events first: if the device refuses one, the free has not happened and can be retried.
-        let waits =
-            if uses == 0 { Vec::new() } else { self.deferred.record_waits(&mut self.device, handle.index, uses)? };
+        let waits = self.deferred.record_waits(&mut self.device, handle.index, uses)?;
         self.note_free(handle, !waits.is_empty());
         match self.heap.release(handle)? {
             Released::Cached { segment } => self.after_free(segment),
@@ -375,7 +395,7 @@ impl<D: Device> Pool<D> {
     pub fn free_calls_device(&self, handle: Handle) -> Result<bool, PoolError> {
         let block = self.heap.block(handle)?;
         // Asking whether its streams are being captured is a device call too.
-        if block.has_uses() || self.device.captures_graphs() {
+        if block.has_uses() || self.captures_graphs {
             return Ok(true);
         }
         let Some(threshold) = self.config.release_threshold else { return Ok(false) };

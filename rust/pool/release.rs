@@ -14,8 +14,11 @@ impl<D: Device> Pool<D> {
     /// oldest first. O(1) unless there is something to release. The free itself has happened:
     /// a device that refuses to take memory back leaves it cached (the heap and the device still
     /// agree), and the next `empty_cache` reports the refusal.
+    #[inline]
     pub(super) fn after_free(&mut self, segment: SegmentId) {
-        let _ = self.release_past_watermark(segment);
+        if self.config.release_threshold.is_some() {
+            let _ = self.release_past_watermark(segment);
+        }
     }
 
     fn release_past_watermark(&mut self, segment: SegmentId) -> Result<(), PoolError> {
