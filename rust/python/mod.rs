@@ -7,6 +7,7 @@ mod dlpack;
 mod error;
 mod export;
 mod interop;
+mod pickle;
 mod pool;
 mod replay;
 mod stream;
@@ -27,6 +28,7 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replay::replay, m)?)?;
     m.add("OutOfMemoryError", m.py().get_type::<error::OutOfMemoryError>())?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(pickle::load_pickle, m)?)?;
     cuda::register(m)?;
     Ok(())
 }
