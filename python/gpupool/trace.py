@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import gzip
-import io
 import os
-import pickle
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -75,16 +74,6 @@ class Trace:
         )
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Builds only plain containers and scalars: every class or function lookup is refused, so
-    unpickling cannot run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(
-            f"it holds a {module}.{name} object; only plain dicts, lists, strings and numbers are read"
-        )
-
-
 def _is_pickle(path: PathLike) -> bool:
     with open(path, "rb") as file:
         head = file.read(2)
@@ -101,14 +90,15 @@ def _read_pickle(path: PathLike) -> Any:
     with open(path, "rb") as raw:
         compressed = raw.read(2) == _GZIP_MAGIC
     try:
-        # From memory, not from the file: a damaged length prefix then fails at once instead of
-        # making the unpickler allocate (and zero) gigabytes for a read that comes up short.
         with gzip.open(path, "rb") if compressed else open(path, "rb") as file:
-            data = io.BytesIO(file.read())
-        return _PlainUnpickler(data).load()
-    # A damaged pickle fails in many ways (truncation, bad opcodes, stack underflow); to the
-    # caller they all mean the same.
-    except Exception as error:
+            data = file.read()
+        # The native reader builds plain data only and checks every length and memo index
+        # against the bytes it has, so a damaged or hostile file fails at once instead of
+        # running code or making the reader allocate gigabytes.
+        return _native.load_pickle(data)
+    # A damaged pickle is a ValueError naming the opcode and byte at fault; a damaged gzip
+    # stream is an OSError, EOFError or zlib.error. To the caller they all mean the same.
+    except (ValueError, OSError, EOFError, zlib.error) as error:
         message = f"{os.fspath(path)}: not a readable PyTorch memory snapshot: {error}"
         raise ValueError(message) from None
 
