@@ -426,3 +426,23 @@ def test_the_viewer_can_step_back_through_a_recorded_history():
     step_back_through(snapshot)
     gpupool.replay(gtrace.from_snapshot(snapshot))
     again.free()
+
+
+def test_a_gzip_bomb_is_refused_before_it_exhausts_memory(tmp_path, monkeypatch):
+    # 64 MiB of zeros compress to about 64 KiB: a small file that would expand past the limit.
+    path = tmp_path / "bomb.pickle.gz"
+    with gzip.open(path, "wb") as out:
+        out.write(pickle.dumps({"segments": []}, protocol=4))
+        out.write(bytes(64 << 20))
+    monkeypatch.setattr(gtrace, "_decompressed_limit", lambda: 16 << 20)
+    with pytest.raises(ValueError, match="bomb.pickle.gz.*decompresses to more than 16 MiB"):
+        gtrace.load(path)
+
+
+def test_a_damaged_gzip_stream_is_a_value_error_naming_the_file(tmp_path):
+    data = bytearray(gzip.compress(pickle.dumps({"segments": []}, protocol=4) * 1000))
+    data[len(data) // 2] ^= 0xFF  # corrupt the deflate stream past its header
+    path = tmp_path / "damaged.pickle.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="damaged.pickle.gz"):
+        gtrace.load(path)

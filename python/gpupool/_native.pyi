@@ -20,6 +20,11 @@ def cuda_mem_get_info(device: int = 0) -> tuple[int, int]:
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``80GiB``, ``512 MiB``, ``1.5GB`` or ``4096``."""
 
+def load_pickle(data: bytes) -> Any:
+    """The plain data (None, bool, int, float, str, bytes, bytearray, tuple, list, dict, set,
+    frozenset) in a pickle of protocol 0 to 5, read without running code; anything else, or a
+    damaged pickle, is a ValueError naming the opcode and byte offset."""
+
 class OutOfMemoryError(MemoryError):
     """The device refused memory even after the pool released its fully free cached segments."""
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import gzip
-import io
 import os
-import pickle
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -77,16 +76,6 @@ class Trace:
         )
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Builds only plain containers and scalars: every class or function lookup is refused, so
-    unpickling cannot run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(
-            f"it holds a {module}.{name} object; only plain dicts, lists, strings and numbers are read"
-        )
-
-
 def _is_pickle(path: PathLike) -> bool:
     with open(path, "rb") as file:
         head = file.read(2)
@@ -94,7 +83,7 @@ def _is_pickle(path: PathLike) -> bool:
         try:
             with gzip.open(path, "rb") as file:
                 head = file.read(1)
-        except (OSError, EOFError):
+        except (OSError, EOFError, zlib.error):
             return False  # the CSV reader reports the corrupt file, naming its line
     return head[:1] == bytes([_PICKLE_PROTOCOL_2_OR_LATER])
 
@@ -113,19 +102,43 @@ def _no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+def _decompressed_limit() -> int:
+    """The most a compressed snapshot may expand to: a quarter of the machine's memory, so that
+    a gzip bomb is refused instead of exhausting it (a million-event snapshot is about 200 MB)."""
+    try:
+        return max(1 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _read_gzip(path: PathLike, limit: int) -> bytes:
+    chunks, total = [], 0
+    with gzip.open(path, "rb") as file:
+        while chunk := file.read(64 << 20):
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"it decompresses to more than {limit >> 20} MiB")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _read_pickle(path: PathLike) -> Any:
     with open(path, "rb") as raw:
         compressed = raw.read(2) == _GZIP_MAGIC
     try:
-        # From memory, not from the file: a damaged length prefix then fails at once instead of
-        # making the unpickler allocate (and zero) gigabytes for a read that comes up short.
-        with gzip.open(path, "rb") if compressed else open(path, "rb") as file:
-            data = io.BytesIO(file.read())
+        if compressed:
+            data = _read_gzip(path, _decompressed_limit())
+        else:
+            with open(path, "rb") as file:
+                data = file.read()
+        # The native reader builds plain data only and checks every length and memo index
+        # against the bytes it has, so a damaged or hostile file fails at once instead of
+        # running code or making the reader allocate gigabytes.
         with _no_cycle_collection():
-            return _PlainUnpickler(data).load()
-    # A damaged pickle fails in many ways (truncation, bad opcodes, stack underflow); to the
-    # caller they all mean the same.
-    except Exception as error:
+            return _native.load_pickle(data)
+    # A damaged pickle is a ValueError naming the opcode and byte at fault; a damaged gzip
+    # stream is an OSError, EOFError or zlib.error. To the caller they all mean the same.
+    except (ValueError, OSError, EOFError, zlib.error) as error:
         message = f"{os.fspath(path)}: not a readable PyTorch memory snapshot: {error}"
         raise ValueError(message) from None
 

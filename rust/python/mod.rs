@@ -10,6 +10,7 @@ mod export;
 mod interop;
 #[cfg(feature = "cuda")]
 mod ipc;
+mod pickle;
 mod pool;
 mod replay;
 mod stream;
@@ -33,6 +34,7 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(advise::replay_from_start, m)?)?;
     m.add_function(wrap_pyfunction!(advise::matched_in_order, m)?)?;
     m.add_function(wrap_pyfunction!(advise::inert_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(pickle::load_pickle, m)?)?;
     cuda::register(m)?;
     #[cfg(feature = "cuda")]
     ipc::register(m)?;

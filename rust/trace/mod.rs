@@ -2,10 +2,12 @@
 //! that replay finds a free's allocation by index, never by address.
 //!
 //! Sources: RMM's logging CSV ([`csv`]), PyTorch snapshot entries ([`TraceBuilder::snapshot_entry`],
-//! fed by the Python pickle reader) and a pool's own [`History`]. [`replay`] runs a trace on a pool.
+//! fed by the Python snapshot reader, whose pickles [`pickle`] decodes) and a pool's own
+//! [`History`]. [`replay`] runs a trace on a pool.
 
 pub mod csv;
 pub mod fidelity;
+pub mod pickle;
 pub mod replay;
 pub mod start;
 
