@@ -1,6 +1,6 @@
 # One entry point for people and CI: make install | test | lint | bench.
 PY ?= .venv/bin/python
-RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) $(shell find rust -name '*.rs' 2>/dev/null)
+RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock build.rs) $(shell find rust -name "*.rs" -o -name "*.cpp" 2>/dev/null)
 
 .PHONY: install test lint bench fuzz
 
