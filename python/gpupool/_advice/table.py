@@ -126,7 +126,9 @@ def report(advice: Advice) -> str:
     what = "runs the recorded history" if advice.scope == "history" else "holds the blocks live at the snapshot"
     legend = (
         f"min capacity: the smallest device that {what}. fragmented: peak reserved minus peak live. "
-        "calls: segment allocations and releases, page maps and unmaps. PyTorch's plain segments "
+        "calls: CUDA driver calls that obtain or return memory (cuMemAlloc and cuMemFree for plain "
+        "segments; cuMemCreate, cuMemMap, cuMemRelease per physical handle and cuMemSetAccess per "
+        "mapped run, cuMemUnmap per handle for paged ones). PyTorch's plain segments "
         "replay from the segments and blocks the job held when recording began; the other "
         "configurations from those blocks alone, allocated first."
     )
