@@ -97,8 +97,9 @@ pub enum Strategy {
     Pages,
     /// No pooling: every allocation is a segment of its own, released on free.
     Direct,
-    /// gpupool's own choice: one address range for all sizes, mapped page by page and reused
-    /// (see BENCHMARKS.md for the measurements behind it).
+    /// gpupool's own choice: one address range for all sizes, mapped in pages that are kept and
+    /// reused, one physical allocation per map call while the device has room to spare (see
+    /// BENCHMARKS.md for the measurements behind it).
     #[default]
     Default,
 }
@@ -135,6 +136,7 @@ pub struct Paging {
     /// The mapping unit of each pool kind's range, indexed by [`PoolKind::index`].
     pub page: [u64; 2],
     pub mode: PagingMode,
+    pub backing: Backing,
 }
 
 impl Paging {
@@ -152,6 +154,18 @@ pub enum PagingMode {
     /// growing job makes few calls, and under pressure a block goes where it needs the fewest
     /// new pages.
     Pages,
+}
+
+/// How many physical allocations (handles) back the pages one map call maps. A handle goes
+/// back to the device whole or not at all; each costs driver calls (`cuMemCreate`, `cuMemMap`,
+/// `cuMemRelease`, one `cuMemUnmap` when it goes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// One per page (`pages`, and `expandable` with its 20 MiB pages): any free page can go back.
+    PerPage,
+    /// One for the whole call while the device has plenty of room, else one per page (`default`):
+    /// few driver calls while memory is plentiful, every free page returnable near the limit.
+    ByHeadroom,
 }
 
 /// Where segments come from (PyTorch's `backend`).

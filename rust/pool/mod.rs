@@ -9,13 +9,14 @@ mod expandable;
 mod growth;
 mod held;
 mod history;
+mod page_map;
 mod release;
 mod seed;
 mod streams;
 
 pub use config::{
-    parse_size, Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Setting, Strategy, ENV_VAR,
-    NO_DEVICE_MEMORY_EFFECT,
+    parse_size, Backend, Backing, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Setting, Strategy,
+    ENV_VAR, NO_DEVICE_MEMORY_EFFECT,
 };
 pub use error::{format_bytes, OomReport, PoolError};
 pub use held::HeldBlock;
