@@ -223,3 +223,29 @@ fn default_keeps_a_partly_used_handle_mapped() {
     pool.empty_cache().unwrap();
     assert_eq!((reserved(&pool), pool.stats().driver.unmap), (0, 1));
 }
+
+/// After the device refused and free pages were unmapped, the default places the block where it
+/// needs the fewest new pages (a hole whose edge pages live neighbours keep mapped), not by best
+/// fit: the page that saves serves the next request.
+#[test]
+fn default_retries_where_fewest_pages_are_new() {
+    let mut pool = Pool::new(Sim::new(20 * MIB), config("default"));
+    let sizes = [MIB, 9 * MIB / 2, MIB / 2, 2 * MIB, 4 * MIB, 2 * MIB, 2 * MIB, 2 * MIB];
+    let blocks: Vec<_> = sizes.iter().map(|&size| pool.alloc(size).unwrap()).collect();
+    let (hole_over_mapped_edges, exact_hole, late_hole) = (&blocks[1], &blocks[4], &blocks[6]);
+    let addresses: Vec<u64> = blocks.iter().map(|b| b.address - blocks[0].address).collect();
+    assert_eq!(addresses, [0, MIB, 11 * MIB / 2, 6 * MIB, 8 * MIB, 12 * MIB, 14 * MIB, 16 * MIB]);
+    pool.free(hole_over_mapped_edges.handle).unwrap();
+    pool.free(exact_hole.handle).unwrap();
+    pool.empty_cache().unwrap();
+    pool.alloc(5 * MIB).unwrap();
+    pool.free(late_hole.handle).unwrap();
+    assert_eq!(reserved(&pool), 18 * MIB, "one page left, the late hole's still mapped");
+    // Best fit is the exact 4 MiB hole: two new pages, refused; the retry, after the late hole's
+    // page went back, takes [1, 5) MiB, whose first and last pages b0 and b2 keep mapped.
+    let placed = pool.alloc(4 * MIB).unwrap();
+    assert_eq!((placed.address - blocks[0].address, pool.stats().num_alloc_retries), (MIB, 1));
+    pool.alloc(2 * MIB).unwrap();
+    assert_eq!(pool.stats().num_ooms, 0, "a best fit would have spent the page this needs");
+    pool.check_invariants().unwrap();
+}

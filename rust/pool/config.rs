@@ -136,7 +136,6 @@ pub struct Paging {
     /// The mapping unit of each pool kind's range, indexed by [`PoolKind::index`].
     pub page: [u64; 2],
     pub mode: PagingMode,
-    pub backing: Backing,
 }
 
 impl Paging {
@@ -150,22 +149,19 @@ pub enum PagingMode {
     /// PyTorch's expandable segments: exactly the handles a block needs are mapped, and a
     /// block goes where the rules put it, whatever it costs in new handles.
     Handles,
-    /// gpupool's pager: a map call reaches ahead into free space (20 MiB large, 2 MiB small) so a
-    /// growing job makes few calls, and under pressure a block goes where it needs the fewest
+    /// The idealized pager of issue 5 (`pages`), kept as a reference: 2 MiB pages, each its own
+    /// physical allocation (handle); a map call reaches ahead into free space (20 MiB large,
+    /// 2 MiB small) so a growing job makes few map calls; when the device refuses, free pages are
+    /// unmapped, and a block that still does not fit by best fit goes where it needs the fewest
     /// new pages.
     Pages,
-}
-
-/// How many physical allocations (handles) back the pages one map call maps. A handle goes
-/// back to the device whole or not at all; each costs driver calls (`cuMemCreate`, `cuMemMap`,
-/// `cuMemRelease`, one `cuMemUnmap` when it goes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backing {
-    /// One per page (`pages`, and `expandable` with its 20 MiB pages): any free page can go back.
-    PerPage,
-    /// One for the whole call while the device has plenty of room, else one per page (`default`):
-    /// few driver calls while memory is plentiful, every free page returnable near the limit.
-    ByHeadroom,
+    /// gpupool's pager (`default`): `Pages`' mapping, with two changes. A map call is backed by
+    /// one handle while the device has plenty of room (a handle goes back whole or not at all,
+    /// and each costs driver calls: `cuMemCreate`, `cuMemMap`, `cuMemRelease`, one `cuMemUnmap`),
+    /// by one per page near the limit, so that pressure can give back exactly the free pages.
+    /// And once the device refused and free pages were unmapped, a block goes where it needs the
+    /// fewest new pages first.
+    Pager,
 }
 
 /// Where segments come from (PyTorch's `backend`).

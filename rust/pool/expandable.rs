@@ -8,15 +8,15 @@
 //! Physical use is then the pages that live blocks touch, not the address space that
 //! fragmentation spreads them over.
 //!
-//! Two [`PagingMode`]s: PyTorch's (`strategy:expandable`: 20 MiB handles in the large range,
-//! 2 MiB in the small one, exactly those a block needs) and gpupool's pager (`pages`, `default`:
-//! 2 MiB pages, a map call reaching ahead, placement by fewest new pages under pressure). The
-//! [`Backing`] says how many handles a map call makes: one per page, or (`default`) one for the
-//! whole call while the device has room to spare, so that a growing job makes few driver calls
-//! and a job near the device's limit can still give back any free page.
+//! Three [`PagingMode`]s: PyTorch's (`strategy:expandable`: 20 MiB handles in the large range,
+//! 2 MiB in the small one, exactly those a block needs), the idealized pager (`pages`: 2 MiB
+//! pages, a map call reaching ahead, placement by fewest new pages under pressure) and gpupool's
+//! pager (`default`): the same, but one handle for a whole map call while the device has room to
+//! spare, so that a growing job makes few driver calls and a job near the device's limit can
+//! still give back any free page.
 
 use super::page_map::PageMap;
-use super::{Backing, Paging, PagingMode};
+use super::{Paging, PagingMode};
 use crate::core::{BlockInfo, BlockState, Heap, Metric, PoolKind, SegmentId, SegmentInfo, StatType, SHARED};
 use crate::device::{Device, DeviceError};
 
@@ -57,7 +57,7 @@ impl Range {
 const MAP_AHEAD: u64 = 20 << 20;
 const SMALL_MAP_AHEAD: u64 = 2 << 20;
 
-/// [`Backing::ByHeadroom`]: a map call is one handle while at least this share of what the pool
+/// [`PagingMode::Pager`]: a map call is one handle while at least this share of what the pool
 /// may hold (the device's capacity, or its limit) stays free after it. Closer to the limit a big
 /// handle could not go back in part when the device runs short, so pages are their own handles
 /// (BENCHMARKS.md, "Handles": a lower share made the smallest device that runs a trace bigger).
@@ -81,10 +81,16 @@ impl Expandable {
         Expandable { paging, ranges: Vec::new(), calls: None }
     }
 
-    /// Whether, under pressure, blocks may go where they need the fewest new pages (gpupool's
-    /// pager; PyTorch places them by its rules alone).
+    /// Whether, under pressure, blocks may go where they need the fewest new pages (the
+    /// pagers; PyTorch places them by its rules alone).
     pub fn places_by_pages(&self) -> bool {
-        self.paging.mode == PagingMode::Pages
+        self.paging.mode != PagingMode::Handles
+    }
+
+    /// Whether, once the device refused and free pages were unmapped, a block goes where it
+    /// needs the fewest new pages before a best fit is tried (gpupool's pager).
+    pub fn places_least_mapping_first(&self) -> bool {
+        self.paging.mode == PagingMode::Pager
     }
 
     pub fn log_calls(&mut self, on: bool) {
@@ -125,8 +131,8 @@ impl Expandable {
         let pages = size / page_size;
         let map_ahead = match self.paging.mode {
             PagingMode::Handles => page_size,
-            PagingMode::Pages if kind == PoolKind::Small => SMALL_MAP_AHEAD.max(page_size),
-            PagingMode::Pages => MAP_AHEAD.max(page_size),
+            PagingMode::Pages | PagingMode::Pager if kind == PoolKind::Small => SMALL_MAP_AHEAD.max(page_size),
+            PagingMode::Pages | PagingMode::Pager => MAP_AHEAD.max(page_size),
         };
         let page_shift = page_size.is_power_of_two().then(|| page_size.trailing_zeros());
         self.ranges.push(Range { segment, base, kind, map_ahead, page_size, page_shift, pages: PageMap::new(pages) });
@@ -181,7 +187,7 @@ impl Expandable {
         free_end: u64,
         limit: Option<u64>,
     ) -> Result<(), DeviceError> {
-        let backing = self.paging.backing;
+        let big_handles = self.paging.mode == PagingMode::Pager;
         let range = &mut self.ranges[index];
         let page_size = range.page_size;
         let (first, end) = (pages.start, pages.end);
@@ -194,9 +200,9 @@ impl Expandable {
                 Some(more) if more.start == run.end => run.start..more.end,
                 _ => run.clone(),
             };
-            let done = match Self::map_run(device, heap, range, extended.clone(), limit, backing) {
+            let done = match Self::map_run(device, heap, range, extended.clone(), limit, big_handles) {
                 Err(DeviceError::OutOfMemory { .. }) if extended != run => {
-                    Self::map_run(device, heap, range, run.clone(), limit, backing).map(|_| run)?
+                    Self::map_run(device, heap, range, run.clone(), limit, big_handles).map(|_| run)?
                 }
                 other => other.map(|_| extended)?,
             };
@@ -208,15 +214,15 @@ impl Expandable {
         Ok(())
     }
 
-    /// Maps unmapped `run` of `range` in one device call, backed by one handle or by one per
-    /// page as `backing` says.
+    /// Maps unmapped `run` of `range` in one device call, backed by one handle per page, or by
+    /// one for the whole run when `big_handles` allows it and the device has room.
     fn map_run<D: Device>(
         device: &mut D,
         heap: &mut Heap,
         range: &mut Range,
         run: std::ops::Range<u64>,
         limit: Option<u64>,
-        backing: Backing,
+        big_handles: bool,
     ) -> Result<(), DeviceError> {
         let (address, bytes) = range.extent(&run);
         // The pool's own limit (a memory fraction) refuses like the device would.
@@ -224,7 +230,7 @@ impl Expandable {
         if limit.is_some_and(|limit| reserved + bytes > limit) {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
-        let one_handle = backing == Backing::ByHeadroom && Self::roomy(device, reserved + bytes, limit);
+        let one_handle = big_handles && Self::roomy(device, reserved + bytes, limit);
         let handle = if one_handle { bytes } else { range.page_size };
         device.map(address, bytes, handle)?;
         heap.stats_mut().driver.mapped_run(bytes / handle);

@@ -1,7 +1,7 @@
 //! The grammar (PyTorch's: spaces ignored, items split at commas outside brackets) and what
 //! each key accepts; then the keys resolved into a [`Config`], in any order.
 
-use super::{Backend, Backing, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Strategy};
+use super::{Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Strategy};
 use super::{DEFAULT_ARENA_MB, DEFAULT_PAGE_MB, MIB, MIN_SPLIT_LIMIT_MB};
 use crate::core::{Rules, POWER2_INTERVALS};
 use crate::device::MappingOptions;
@@ -202,17 +202,11 @@ impl Keys {
         let page = |default_mb: u64| self.page_size_mb.unwrap_or(default_mb) * MIB;
         let paging = match strategy {
             // PyTorch's handle sizes: its small and large segment sizes (kSmallBuffer, kLargeBuffer).
-            Strategy::Expandable => Some(Paging {
-                page: [page(DEFAULT_PAGE_MB), page(HANDLE_LARGE_MB)],
-                mode: PagingMode::Handles,
-                backing: Backing::PerPage,
-            }),
-            Strategy::Pages => {
-                Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pages, backing: Backing::PerPage })
+            Strategy::Expandable => {
+                Some(Paging { page: [page(DEFAULT_PAGE_MB), page(HANDLE_LARGE_MB)], mode: PagingMode::Handles })
             }
-            Strategy::Default => {
-                Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pages, backing: Backing::ByHeadroom })
-            }
+            Strategy::Pages => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pages }),
+            Strategy::Default => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pager }),
             _ => None,
         };
         Ok(Config {
@@ -392,7 +386,7 @@ mod tests {
         let parse = |s: &str| Config::parse(&format!("strategy:{s}")).unwrap();
         assert_eq!(parse("default"), Config::default());
         assert_eq!(parse("pytorch").rules, Rules::pytorch());
-        let pager = Paging { page: [2 * MIB; 2], mode: PagingMode::Pages, backing: Backing::ByHeadroom };
+        let pager = Paging { page: [2 * MIB; 2], mode: PagingMode::Pager };
         assert_eq!(parse("default").paging, Some(pager));
         assert_eq!(parse("bfc").rules, Rules::bfc());
         let arena = parse("arena");
@@ -403,9 +397,8 @@ mod tests {
         let direct = parse("direct");
         assert_eq!((direct.rules.growth, direct.release_threshold), (SegmentGrowth::Exact, Some(0.0)));
         // PyTorch's handles: 2 MiB in the small pool, 20 MiB in the large one.
-        let handles = Paging { page: [2 * MIB, 20 * MIB], mode: PagingMode::Handles, backing: Backing::PerPage };
-        assert_eq!(parse("expandable").paging, Some(handles));
-        assert_eq!(parse("pages").paging, Some(Paging { backing: Backing::PerPage, ..pager }));
+        assert_eq!(parse("expandable").paging, Some(Paging { page: [2 * MIB, 20 * MIB], mode: PagingMode::Handles }));
+        assert_eq!(parse("pages").paging, Some(Paging { mode: PagingMode::Pages, ..pager }));
         assert_eq!(parse("pages").rules, Rules::pytorch());
         let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
         assert_eq!((pages.strategy, pages.paging.unwrap().page), (Strategy::Expandable, [16 * MIB; 2]));
