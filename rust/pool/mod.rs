@@ -266,7 +266,7 @@ impl<D: Device> Pool<D> {
         self.release_cached()?;
         self.heap.stats_mut().num_alloc_retries += 1;
         // gpupool's pager places the retry where it needs the fewest new pages: now that every
-        // free page is unmapped, a best fit could spend pages that a hole's mapped edges save.
+        // free handle is unmapped, a best fit could spend pages that a hole's mapped edges save.
         let least_first = self.expandable.as_ref().is_some_and(Expandable::places_least_mapping_first);
         let retried = match least_first {
             true => self.take_least_mapping(size, stream),
@@ -302,7 +302,7 @@ impl<D: Device> Pool<D> {
         PoolError::OutOfMemory(Box::new(self.oom_report(size)))
     }
 
-    /// gpupool's pager's last resort: place the block where it needs the fewest new pages.
+    /// The pagers' placement under pressure: the block goes where it needs the fewest new pages.
     fn take_least_mapping(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         let rules = self.heap.rules();
         let (rounded, oom) = (rules.round(size), PoolError::Device(DeviceError::OutOfMemory { requested: size }));
