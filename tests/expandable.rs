@@ -1,7 +1,8 @@
 //! Paged strategies: random programs keep every invariant and data stays intact under PyTorch's
-//! expandable segments (`expandable`, 20 MiB / 2 MiB handles) and gpupool's pager (`pages`);
-//! handles map and unmap as PyTorch's do, and the pager's freed holes stop costing memory once
-//! their pages are unmapped.
+//! expandable segments (`expandable`, 20 MiB / 2 MiB handles), gpupool's pager (`pages`) and the
+//! default (the pager with one handle per map call while the device has room); handles map and
+//! unmap as PyTorch's do, the pager's freed holes stop costing memory once their pages are
+//! unmapped, and the default gives back only whole handles.
 
 use gpupool::core::{Metric, StatType};
 use gpupool::device::{Device, Host, Sim};
@@ -79,19 +80,23 @@ fn run<D: Device>(mut pool: Pool<D>, ops: &[Op], data: bool) {
     assert_eq!((reserved(&pool), pool.device().memory_info().held), (0, 0));
 }
 
+/// The paged strategies, and a capacity: the default's handles are big while the pool holds a
+/// tenth of it, so a large one keeps it in that regime and a small one makes it cross over.
+fn paged() -> impl Strategy<Value = (&'static str, u64)> {
+    (prop::sample::select(vec!["pages", "expandable", "default"]), prop::sample::select(vec![160 * MIB, 4096 * MIB]))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn sim_programs_keep_invariants(ops in ops(), pages in any::<bool>()) {
-        let strategy = if pages { "pages" } else { "expandable" };
-        run(Pool::new(Sim::new(160 * MIB), config(strategy)), &ops, false);
+    fn sim_programs_keep_invariants(ops in ops(), (strategy, capacity) in paged()) {
+        run(Pool::new(Sim::new(capacity), config(strategy)), &ops, false);
     }
 
     #[test]
-    fn host_programs_keep_data(ops in ops(), pages in any::<bool>()) {
-        let strategy = if pages { "pages" } else { "expandable" };
-        run(Pool::new(Host::new(Some(160 * MIB)), config(strategy)), &ops, true);
+    fn host_programs_keep_data(ops in ops(), (strategy, capacity) in paged()) {
+        run(Pool::new(Host::new(Some(capacity)), config(strategy)), &ops, true);
     }
 }
 
@@ -172,4 +177,75 @@ fn page_size_overrides_both_handle_sizes() {
     pool.alloc(4096).unwrap();
     pool.alloc(5 * MIB).unwrap();
     assert_eq!(reserved(&pool), 4 * MIB + 8 * MIB);
+}
+
+/// While the device has room, the default backs each map call with one handle: a run costs one
+/// `cuMemCreate`, `cuMemMap`, `cuMemSetAccess` and `cuMemRelease` whatever its size.
+#[test]
+fn default_maps_one_handle_per_call_while_the_device_has_room() {
+    let mut pool = Pool::new(Sim::new(1 << 40), config("default"));
+    let small = pool.alloc(4096).unwrap();
+    assert_eq!(reserved(&pool), 20 * MIB, "the call reaches 20 MiB ahead");
+    let large = pool.alloc(50 * MIB).unwrap();
+    let driver = pool.stats().driver;
+    assert_eq!((driver.create, driver.map, driver.set_access, driver.release), (2, 2, 2, 2));
+    pool.free(small.handle).unwrap();
+    pool.free(large.handle).unwrap();
+    pool.empty_cache().unwrap();
+    assert_eq!((reserved(&pool), pool.stats().driver.unmap), (0, 2), "one unmap per handle");
+    pool.check_invariants().unwrap();
+}
+
+/// Past a tenth of the device, each page is its own handle again, so that pressure can give
+/// back exactly the free pages.
+#[test]
+fn default_maps_pages_near_the_limit() {
+    let mut pool = Pool::new(Sim::new(1000 * MIB), config("default"));
+    pool.alloc(30 * MIB).unwrap();
+    assert_eq!(pool.stats().driver.create, 1, "30 MiB of 1000: room to spare");
+    pool.alloc(80 * MIB).unwrap();
+    assert_eq!(pool.stats().driver.create, 1 + 40, "110 MiB of 1000 would not leave nine tenths free");
+    pool.check_invariants().unwrap();
+}
+
+/// A handle goes back whole: while any block touches it, none of it is unmapped.
+#[test]
+fn default_keeps_a_partly_used_handle_mapped() {
+    let mut pool = Pool::new(Sim::new(1 << 40), config("default"));
+    let first = pool.alloc(10 * MIB).unwrap();
+    let second = pool.alloc(8 * MIB).unwrap();
+    assert_eq!((reserved(&pool), pool.stats().driver.create), (20 * MIB, 1), "both in the first call's handle");
+    pool.free(first.handle).unwrap();
+    pool.empty_cache().unwrap();
+    assert_eq!((reserved(&pool), pool.stats().driver.unmap), (20 * MIB, 0));
+    pool.check_invariants().unwrap();
+    pool.free(second.handle).unwrap();
+    pool.empty_cache().unwrap();
+    assert_eq!((reserved(&pool), pool.stats().driver.unmap), (0, 1));
+}
+
+/// After the device refused and free pages were unmapped, the default places the block where it
+/// needs the fewest new pages (a hole whose edge pages live neighbours keep mapped), not by best
+/// fit: the page that saves serves the next request.
+#[test]
+fn default_retries_where_fewest_pages_are_new() {
+    let mut pool = Pool::new(Sim::new(20 * MIB), config("default"));
+    let sizes = [MIB, 9 * MIB / 2, MIB / 2, 2 * MIB, 4 * MIB, 2 * MIB, 2 * MIB, 2 * MIB];
+    let blocks: Vec<_> = sizes.iter().map(|&size| pool.alloc(size).unwrap()).collect();
+    let (hole_over_mapped_edges, exact_hole, late_hole) = (&blocks[1], &blocks[4], &blocks[6]);
+    let addresses: Vec<u64> = blocks.iter().map(|b| b.address - blocks[0].address).collect();
+    assert_eq!(addresses, [0, MIB, 11 * MIB / 2, 6 * MIB, 8 * MIB, 12 * MIB, 14 * MIB, 16 * MIB]);
+    pool.free(hole_over_mapped_edges.handle).unwrap();
+    pool.free(exact_hole.handle).unwrap();
+    pool.empty_cache().unwrap();
+    pool.alloc(5 * MIB).unwrap();
+    pool.free(late_hole.handle).unwrap();
+    assert_eq!(reserved(&pool), 18 * MIB, "one page left, the late hole's still mapped");
+    // Best fit is the exact 4 MiB hole: two new pages, refused; the retry, after the late hole's
+    // page went back, takes [1, 5) MiB, whose first and last pages b0 and b2 keep mapped.
+    let placed = pool.alloc(4 * MIB).unwrap();
+    assert_eq!((placed.address - blocks[0].address, pool.stats().num_alloc_retries), (MIB, 1));
+    pool.alloc(2 * MIB).unwrap();
+    assert_eq!(pool.stats().num_ooms, 0, "a best fit would have spent the page this needs");
+    pool.check_invariants().unwrap();
 }

@@ -8,8 +8,8 @@
 /// |---|---|
 /// | obtain / return a plain segment | `malloc` (`cuMemAlloc` or `cuMemAllocAsync`) / `free` |
 /// | reserve / give back an address range | `reserve` / `unreserve` (`cuMemAddressReserve` / `Free`) |
-/// | map a run of n pages | n `create`, n `map`, one `set_access`, n `release` |
-/// | unmap one page | one `unmap` (its handle was released when it was mapped) |
+/// | map a run backed by n handles (physical allocations) | n `create`, n `map`, one `set_access`, n `release` |
+/// | unmap one handle | one `unmap` (it was released when it was mapped) |
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DriverCalls {
     pub malloc: u64,
@@ -24,12 +24,12 @@ pub struct DriverCalls {
 }
 
 impl DriverCalls {
-    /// A run of `pages` pages mapped in one go.
-    pub fn mapped_run(&mut self, pages: u64) {
-        self.create += pages;
-        self.map += pages;
+    /// A run backed by `handles` physical allocations mapped in one go.
+    pub fn mapped_run(&mut self, handles: u64) {
+        self.create += handles;
+        self.map += handles;
         self.set_access += 1;
-        self.release += pages;
+        self.release += handles;
     }
 
     pub fn total(&self) -> u64 {

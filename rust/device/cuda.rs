@@ -414,8 +414,8 @@ impl Device for Cuda {
         self.unreserve_range(address)
     }
 
-    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
-        self.map_range(address, size, page)
+    fn map(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
+        self.map_range(address, size, handle)
     }
 
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {

@@ -309,8 +309,8 @@ impl<D: Device> Device for Faulty<D> {
         self.inner.unreserve(address)
     }
     /// Mapping pages is how paged pools obtain memory, so it fails like `allocate`.
-    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
-        self.call(FaultCall::Map, DeviceError::OutOfMemory { requested: size }, |d| d.map(address, size, page))
+    fn map(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
+        self.call(FaultCall::Map, DeviceError::OutOfMemory { requested: size }, |d| d.map(address, size, handle))
     }
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
         self.inner.mapping_granularity()

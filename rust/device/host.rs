@@ -130,19 +130,18 @@ impl Device for Host {
         Ok(())
     }
 
-    /// Any sub-range can be unmapped later, so `page` needs no bookkeeping.
-    fn map(&mut self, address: u64, size: u64, _page: u64) -> Result<(), DeviceError> {
-        self.reservations.check_unmapped(address, size)?;
+    fn map(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
+        self.reservations.check_mappable(address, size, handle)?;
         check_capacity(self.capacity, self.held, size)?;
         Self::protect(address, size, libc::PROT_READ | libc::PROT_WRITE)?;
-        self.reservations.map(address, size)?;
+        self.reservations.map(address, size, handle)?;
         self.held += size;
         Ok(())
     }
 
     /// Returns the pages to the OS (resident memory drops) and makes the range inaccessible.
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        self.reservations.check_mapped(address, size)?;
+        self.reservations.check_unmappable(address, size)?;
         // SAFETY: the range is mapped inside our reservation (checked above); discarding its
         // contents is what unmapping means.
         #[allow(unsafe_code)]

@@ -172,16 +172,18 @@ pub trait Device: Send {
         Err(DeviceError::InvalidAddress(address))
     }
     /// Backs `[address, address + size)` of a reservation with memory; counts against capacity
-    /// (`OutOfMemory` when it would exceed it). The range must be unmapped, and `size` a multiple
-    /// of `page`: the unit that `unmap` will later take back on its own (on CUDA, one physical
-    /// allocation each; access is granted once for the whole range). All or nothing: on error
-    /// nothing stays mapped.
-    fn map(&mut self, address: u64, _size: u64, _page: u64) -> Result<(), DeviceError> {
+    /// (`OutOfMemory` when it would exceed it). The range must be unmapped, `address` a multiple
+    /// of the mapping granularity and `size` of `handle`: one physical allocation (handle) of
+    /// `handle` bytes is made for each `handle` bytes of the range, the unit that `unmap` will
+    /// later take back whole (on CUDA, a `cuMemCreate` and `cuMemMap` each; access is granted once
+    /// for the whole range). All or nothing: on error nothing stays mapped.
+    fn map(&mut self, address: u64, _size: u64, _handle: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }
-    /// Returns the memory behind mapped pages of a reservation to the device: whole `page`s as
-    /// given to `map`. All or nothing for one page; the pool unmaps page by page so that a failure
-    /// leaves its page map and the device agreeing.
+    /// Returns the memory behind mapped handles of a reservation to the device:
+    /// `[address, address + size)` must be whole handles as `map` made them (a range that starts
+    /// or ends inside one is `InvalidAddress` and changes nothing). The pool unmaps one handle
+    /// per call, so that a failure leaves its page map and the device agreeing.
     fn unmap(&mut self, address: u64, _size: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }
@@ -195,8 +197,8 @@ pub trait Device: Send {
     fn export_pages(&mut self, _address: u64, _len: u64) -> Result<ExportedPages, DeviceError> {
         Err(DeviceError::Unsupported("exporting pages to other processes"))
     }
-    /// The smallest unit `map` can work in (CUDA's allocation granularity); pages must be
-    /// multiples of it.
+    /// The smallest unit `map` can work in (CUDA's allocation granularity); addresses and
+    /// handles must be multiples of it.
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
         Ok(1)
     }
@@ -329,8 +331,8 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn unreserve(&mut self, address: u64) -> Result<(), DeviceError> {
         (**self).unreserve(address)
     }
-    fn map(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
-        (**self).map(address, size, page)
+    fn map(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
+        (**self).map(address, size, handle)
     }
     fn mapping_granularity(&mut self) -> Result<u64, DeviceError> {
         (**self).mapping_granularity()

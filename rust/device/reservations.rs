@@ -1,5 +1,7 @@
 //! Address reservations with mapped sub-ranges: the bookkeeping behind `reserve`/`map`/`unmap`
-//! shared by the `host` and `sim` backends.
+//! shared by the `host` and `sim` backends. Like CUDA, they remember each physical allocation
+//! (handle) a map made and take back only whole ones, so a pool that would unmap part of a handle
+//! fails here as it would on a GPU.
 
 use super::DeviceError;
 use std::collections::BTreeMap;
@@ -9,6 +11,8 @@ struct Reservation {
     size: u64,
     /// Mapped ranges as start -> end, kept merged (no two touch).
     mapped: BTreeMap<u64, u64>,
+    /// Every handle mapped, start -> size.
+    handles: BTreeMap<u64, u64>,
 }
 
 #[derive(Debug, Default)]
@@ -20,7 +24,7 @@ pub struct Reservations {
 
 impl Reservations {
     pub fn insert(&mut self, base: u64, size: u64) {
-        self.by_base.insert(base, Reservation { size, mapped: BTreeMap::new() });
+        self.by_base.insert(base, Reservation { size, ..Reservation::default() });
     }
 
     /// Forgets a reservation with nothing mapped; returns its size.
@@ -31,8 +35,8 @@ impl Reservations {
         }
     }
 
-    fn holding(&mut self, address: u64, size: u64) -> Result<&mut Reservation, DeviceError> {
-        let (&base, r) = self.by_base.range_mut(..=address).next_back().ok_or(DeviceError::InvalidAddress(address))?;
+    fn holding(&self, address: u64, size: u64) -> Result<&Reservation, DeviceError> {
+        let (&base, r) = self.by_base.range(..=address).next_back().ok_or(DeviceError::InvalidAddress(address))?;
         let end = address.checked_add(size).ok_or(DeviceError::InvalidAddress(address))?;
         if size == 0 || end > base + r.size {
             return Err(DeviceError::InvalidAddress(address));
@@ -40,24 +44,30 @@ impl Reservations {
         Ok(r)
     }
 
+    fn holding_mut(&mut self, address: u64) -> &mut Reservation {
+        self.by_base.range_mut(..=address).next_back().map(|(_, r)| r).expect("checked by `holding`")
+    }
+
     /// The mapped range containing `address`, as (start, end).
     fn mapped_around(r: &Reservation, address: u64) -> Option<(u64, u64)> {
         r.mapped.range(..=address).next_back().filter(|(_, &end)| end > address).map(|(&s, &e)| (s, e))
     }
 
-    /// Checks that `[address, address + size)` lies in one reservation and is unmapped.
-    pub fn check_unmapped(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+    /// Checks that `[address, address + size)` can be mapped as handles of `handle` bytes: it
+    /// lies in one reservation, is unmapped, and is a whole number of handles.
+    pub fn check_mappable(&self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
         let r = self.holding(address, size)?;
         let overlaps = r.mapped.range(..address + size).next_back().is_some_and(|(_, &end)| end > address);
-        if overlaps {
+        if overlaps || handle == 0 || !size.is_multiple_of(handle) {
             return Err(DeviceError::InvalidAddress(address));
         }
         Ok(())
     }
 
-    pub fn map(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        self.check_unmapped(address, size)?;
-        let r = self.holding(address, size)?;
+    /// Maps `[address, address + size)` as handles of `handle` bytes (see `check_mappable`).
+    pub fn map(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
+        self.check_mappable(address, size, handle)?;
+        let r = self.holding_mut(address);
         let (mut start, mut end) = (address, address + size);
         if let Some((s, _)) =
             r.mapped.range(..address).next_back().filter(|(_, &e)| e == address).map(|(&s, &e)| (s, e))
@@ -69,6 +79,7 @@ impl Reservations {
             end = e;
         }
         r.mapped.insert(start, end);
+        r.handles.extend((address..address + size).step_by(handle as usize).map(|at| (at, handle)));
         self.mapped_bytes += size;
         Ok(())
     }
@@ -82,10 +93,32 @@ impl Reservations {
         }
     }
 
-    pub fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
-        self.check_mapped(address, size)?;
+    /// Checks that `[address, address + size)` is exactly a run of whole handles: a device
+    /// gives back a physical allocation whole or not at all.
+    pub fn check_unmappable(&self, address: u64, size: u64) -> Result<(), DeviceError> {
         let r = self.holding(address, size)?;
-        let (start, end) = Self::mapped_around(r, address).ok_or(DeviceError::InvalidAddress(address))?;
+        let mut at = address;
+        for (&start, &len) in r.handles.range(address..address + size) {
+            if start != at {
+                return Err(DeviceError::InvalidAddress(address));
+            }
+            at += len;
+        }
+        if at != address + size {
+            return Err(DeviceError::InvalidAddress(address));
+        }
+        Ok(())
+    }
+
+    /// Unmaps whole handles (see `check_unmappable`).
+    pub fn unmap(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
+        self.check_unmappable(address, size)?;
+        let r = self.holding_mut(address);
+        let starts: Vec<u64> = r.handles.range(address..address + size).map(|(&s, _)| s).collect();
+        for start in starts {
+            r.handles.remove(&start);
+        }
+        let (start, end) = Self::mapped_around(r, address).expect("whole handles are mapped");
         r.mapped.remove(&start);
         if start < address {
             r.mapped.insert(start, address);
@@ -111,23 +144,44 @@ impl Reservations {
 mod tests {
     use super::*;
 
+    const MIB: u64 = 1 << 20;
+
     #[test]
     fn map_unmap_merge_and_split() {
         let mut rs = Reservations::default();
-        rs.insert(1 << 30, 64 << 20);
+        rs.insert(1 << 30, 64 * MIB);
         let base = 1 << 30;
-        rs.map(base, 4 << 20).unwrap();
-        rs.map(base + (4 << 20), 4 << 20).unwrap();
-        assert!(rs.map(base + (2 << 20), 4 << 20).is_err(), "overlap");
-        assert!(rs.map(base + (62 << 20), 4 << 20).is_err(), "past the end");
-        rs.check_mapped(base + (3 << 20), 2 << 20).unwrap();
-        rs.unmap(base + (2 << 20), 2 << 20).unwrap();
-        assert!(rs.check_mapped(base + (1 << 20), 2 << 20).is_err());
-        assert_eq!(rs.mapped_bytes, 6 << 20);
+        rs.map(base, 4 * MIB, 2 * MIB).unwrap();
+        rs.map(base + 4 * MIB, 4 * MIB, 2 * MIB).unwrap();
+        assert!(rs.map(base + 2 * MIB, 4 * MIB, 2 * MIB).is_err(), "overlap");
+        assert!(rs.map(base + 62 * MIB, 4 * MIB, 2 * MIB).is_err(), "past the end");
+        rs.check_mapped(base + 3 * MIB, 2 * MIB).unwrap();
+        rs.unmap(base + 2 * MIB, 2 * MIB).unwrap();
+        assert!(rs.check_mapped(base + MIB, 2 * MIB).is_err());
+        assert_eq!(rs.mapped_bytes, 6 * MIB);
         assert!(rs.remove(base).is_err(), "still mapped");
-        rs.unmap(base, 2 << 20).unwrap();
-        rs.unmap(base + (4 << 20), 4 << 20).unwrap();
-        assert_eq!(rs.remove(base).unwrap(), 64 << 20);
+        rs.unmap(base, 2 * MIB).unwrap();
+        rs.unmap(base + 4 * MIB, 4 * MIB).unwrap();
+        assert_eq!(rs.remove(base).unwrap(), 64 * MIB);
+        assert_eq!(rs.mapped_bytes, 0);
+    }
+
+    /// A handle goes back whole, as on CUDA: part of one, or a range that starts or ends inside
+    /// one, is refused and changes nothing.
+    #[test]
+    fn only_whole_handles_are_unmapped() {
+        let mut rs = Reservations::default();
+        let base = 1 << 30;
+        rs.insert(base, 64 * MIB);
+        assert!(rs.map(base, 6 * MIB, 4 * MIB).is_err(), "not a whole number of handles");
+        rs.map(base, 12 * MIB, 12 * MIB).unwrap();
+        rs.map(base + 12 * MIB, 4 * MIB, 2 * MIB).unwrap();
+        for (from, len) in [(0, 2), (2, 10), (10, 4), (12, 3), (0, 13)] {
+            assert!(rs.unmap(base + from * MIB, len * MIB).is_err(), "{from}+{len} MiB");
+        }
+        assert_eq!(rs.mapped_bytes, 16 * MIB);
+        rs.unmap(base, 14 * MIB).unwrap();
+        rs.unmap(base + 14 * MIB, 2 * MIB).unwrap();
         assert_eq!(rs.mapped_bytes, 0);
     }
 }

@@ -63,11 +63,10 @@ impl Device for Sim {
         self.reservations.remove(address).map(|_| ())
     }
 
-    /// Any sub-range can be unmapped later, so `page` needs no bookkeeping.
-    fn map(&mut self, address: u64, size: u64, _page: u64) -> Result<(), DeviceError> {
-        self.reservations.check_unmapped(address, size)?;
+    fn map(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
+        self.reservations.check_mappable(address, size, handle)?;
         check_capacity(Some(self.capacity), self.held, size)?;
-        self.reservations.map(address, size)?;
+        self.reservations.map(address, size, handle)?;
         self.held += size;
         Ok(())
     }
@@ -119,9 +118,10 @@ mod tests {
         sim.map(base, 6 << 20, 2 << 20).unwrap();
         assert_eq!(sim.map(base + (6 << 20), 4 << 20, 2 << 20), Err(DeviceError::OutOfMemory { requested: 4 << 20 }));
         sim.unmap(base, 2 << 20).unwrap();
-        sim.map(base + (6 << 20), 4 << 20, 2 << 20).unwrap();
+        sim.map(base + (6 << 20), 4 << 20, 4 << 20).unwrap();
         assert_eq!(sim.memory_info().held, 8 << 20);
         assert!(sim.unreserve(base).is_err());
+        assert!(sim.unmap(base + (6 << 20), 2 << 20).is_err(), "half a handle");
         sim.unmap(base + (2 << 20), 8 << 20).unwrap();
         sim.unreserve(base).unwrap();
         assert_eq!(sim.memory_info().held, 0);

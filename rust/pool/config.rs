@@ -97,8 +97,9 @@ pub enum Strategy {
     Pages,
     /// No pooling: every allocation is a segment of its own, released on free.
     Direct,
-    /// gpupool's own choice: one address range for all sizes, mapped page by page and reused
-    /// (see BENCHMARKS.md for the measurements behind it).
+    /// gpupool's own choice: one address range for all sizes, mapped in pages that are kept and
+    /// reused, one physical allocation per map call while the device has room to spare (see
+    /// BENCHMARKS.md for the measurements behind it).
     #[default]
     Default,
 }
@@ -148,10 +149,19 @@ pub enum PagingMode {
     /// PyTorch's expandable segments: exactly the handles a block needs are mapped, and a
     /// block goes where the rules put it, whatever it costs in new handles.
     Handles,
-    /// gpupool's pager: a map call reaches ahead into free space (20 MiB large, 2 MiB small) so a
-    /// growing job makes few calls, and under pressure a block goes where it needs the fewest
+    /// The idealized pager of issue 5 (`pages`), kept as a reference: 2 MiB pages, each its own
+    /// physical allocation (handle); a map call reaches ahead into free space (20 MiB large,
+    /// 2 MiB small) so a growing job makes few map calls; when the device refuses, free pages are
+    /// unmapped, and a block that still does not fit by best fit goes where it needs the fewest
     /// new pages.
     Pages,
+    /// gpupool's pager (`default`): `Pages`' mapping, with two changes. A map call is backed by
+    /// one handle while the device has plenty of room (a handle goes back whole or not at all,
+    /// and each costs driver calls: `cuMemCreate`, `cuMemMap`, `cuMemRelease`, one `cuMemUnmap`),
+    /// by one per page near the limit, so that pressure can give back exactly the free pages.
+    /// And once the device refused and free pages were unmapped, a block goes where it needs the
+    /// fewest new pages first.
+    Pager,
 }
 
 /// Where segments come from (PyTorch's `backend`).

@@ -4,18 +4,23 @@
 //!
 //! Mapped pages are kept after frees and reused (a map call costs microseconds on a GPU); they
 //! are unmapped only under pressure (a refused map, an OOM flush), on `empty_cache`, or past the
-//! release watermark. Physical use is then the pages that live blocks touch, not the address
-//! space that fragmentation spreads them over.
+//! release watermark, and only in whole handles (physical allocations, see `page_map.rs`).
+//! Physical use is then the pages that live blocks touch, not the address space that
+//! fragmentation spreads them over.
 //!
-//! Two [`PagingMode`]s: PyTorch's (`strategy:expandable`: 20 MiB handles in the large range,
-//! 2 MiB in the small one, exactly those a block needs) and gpupool's pager (`pages`, `default`:
-//! 2 MiB pages, a map call reaching ahead, placement by fewest new pages under pressure).
+//! Three [`PagingMode`]s: PyTorch's (`strategy:expandable`: 20 MiB handles in the large range,
+//! 2 MiB in the small one, exactly those a block needs), the idealized pager (`pages`: 2 MiB
+//! pages, a map call reaching ahead, placement by fewest new pages under pressure) and gpupool's
+//! pager (`default`): the same, but one handle for a whole map call while the device has room to
+//! spare, so that a growing job makes few driver calls and a job near the device's limit can
+//! still give back any free page.
 
+use super::page_map::PageMap;
 use super::{Paging, PagingMode};
 use crate::core::{BlockInfo, BlockState, Heap, Metric, PoolKind, SegmentId, SegmentInfo, StatType, SHARED};
 use crate::device::{Device, DeviceError};
 
-/// One reserved range and which of its pages are mapped.
+/// One reserved range and its page map.
 #[derive(Debug)]
 struct Range {
     segment: SegmentId,
@@ -27,8 +32,7 @@ struct Range {
     /// log2 of `page_size` when it is a power of two: the hot path then shifts instead of
     /// dividing. PyTorch's 20 MiB handles are not.
     page_shift: Option<u32>,
-    /// One bit per page.
-    mapped: Vec<u64>,
+    pages: PageMap,
 }
 
 impl Range {
@@ -42,69 +46,9 @@ impl Range {
         }
     }
 
-    fn is_mapped(&self, page: u64) -> bool {
-        self.mapped[(page / 64) as usize] & (1 << (page % 64)) != 0
-    }
-
-    /// Whether every page in `pages` is mapped, a 64-page word at a time.
-    #[inline]
-    fn all_mapped(&self, pages: std::ops::Range<u64>) -> bool {
-        let mut page = pages.start;
-        while page < pages.end {
-            let (word, bit) = ((page / 64) as usize, page % 64);
-            let span = (64 - bit).min(pages.end - page);
-            let mask = if span == 64 { u64::MAX } else { ((1u64 << span) - 1) << bit };
-            if self.mapped[word] & mask != mask {
-                return false;
-            }
-            page += span;
-        }
-        true
-    }
-
-    fn set(&mut self, pages: std::ops::Range<u64>, on: bool) {
-        for page in pages {
-            let (word, bit) = ((page / 64) as usize, 1u64 << (page % 64));
-            if on {
-                self.mapped[word] |= bit;
-            } else {
-                self.mapped[word] &= !bit;
-            }
-        }
-    }
-
-    /// How many of the pages just outside `pages` (before and after) are mapped: 0, 1 or 2.
-    fn touches_mapped(&self, pages: &std::ops::Range<u64>) -> i32 {
-        let total = self.mapped.len() as u64 * 64;
-        let before = pages.start > 0 && self.is_mapped(pages.start - 1);
-        let after = pages.end < total && self.is_mapped(pages.end);
-        i32::from(before) + i32::from(after)
-    }
-
-    /// Maximal runs of pages in `pages` whose mapped state equals `state`, a word at a time.
-    fn runs(&self, pages: std::ops::Range<u64>, state: bool) -> Vec<std::ops::Range<u64>> {
-        let mut runs = Vec::new();
-        let mut page = self.next_in_state(pages.start, pages.end, state);
-        while page < pages.end {
-            let end = self.next_in_state(page, pages.end, !state);
-            runs.push(page..end);
-            page = self.next_in_state(end, pages.end, state);
-        }
-        runs
-    }
-
-    /// The first page from `from` (before `end`, else `end`) whose mapped state is `state`.
-    fn next_in_state(&self, from: u64, end: u64, state: bool) -> u64 {
-        let mut page = from;
-        while page < end {
-            let (word, bit) = ((page / 64) as usize, page % 64);
-            let bits = if state { self.mapped[word] } else { !self.mapped[word] } >> bit;
-            if bits != 0 {
-                return (page + u64::from(bits.trailing_zeros())).min(end);
-            }
-            page += 64 - bit;
-        }
-        end
+    /// The address and size of `pages`.
+    fn extent(&self, pages: &std::ops::Range<u64>) -> (u64, u64) {
+        (self.base + pages.start * self.page_size, (pages.end - pages.start) * self.page_size)
     }
 }
 
@@ -112,6 +56,12 @@ impl Range {
 /// PyTorch's segment sizes (20 MiB large, 2 MiB small), so a growing job makes as few calls.
 const MAP_AHEAD: u64 = 20 << 20;
 const SMALL_MAP_AHEAD: u64 = 2 << 20;
+
+/// [`PagingMode::Pager`]: a map call is one handle while at least this share of what the pool
+/// may hold (the device's capacity, or its limit) stays free after it. Closer to the limit a big
+/// handle could not go back in part when the device runs short, so pages are their own handles
+/// (BENCHMARKS.md, "Handles": a lower share made the smallest device that runs a trace bigger).
+const ROOMY_SHARE: f64 = 0.9;
 
 /// The largest range reserved (1 PiB, far beyond any device): its page map is at most 64 MiB of
 /// address space, and only the words of mapped pages are ever written.
@@ -131,10 +81,16 @@ impl Expandable {
         Expandable { paging, ranges: Vec::new(), calls: None }
     }
 
-    /// Whether, under pressure, blocks may go where they need the fewest new pages (gpupool's
-    /// pager; PyTorch places them by its rules alone).
+    /// Whether, under pressure, blocks may go where they need the fewest new pages (the
+    /// pagers; PyTorch places them by its rules alone).
     pub fn places_by_pages(&self) -> bool {
-        self.paging.mode == PagingMode::Pages
+        self.paging.mode != PagingMode::Handles
+    }
+
+    /// Whether, once the device refused and free pages were unmapped, a block goes where it
+    /// needs the fewest new pages before a best fit is tried (gpupool's pager).
+    pub fn places_least_mapping_first(&self) -> bool {
+        self.paging.mode == PagingMode::Pager
     }
 
     pub fn log_calls(&mut self, on: bool) {
@@ -175,12 +131,11 @@ impl Expandable {
         let pages = size / page_size;
         let map_ahead = match self.paging.mode {
             PagingMode::Handles => page_size,
-            PagingMode::Pages if kind == PoolKind::Small => SMALL_MAP_AHEAD.max(page_size),
-            PagingMode::Pages => MAP_AHEAD.max(page_size),
+            PagingMode::Pages | PagingMode::Pager if kind == PoolKind::Small => SMALL_MAP_AHEAD.max(page_size),
+            PagingMode::Pages | PagingMode::Pager => MAP_AHEAD.max(page_size),
         };
-        let mapped = vec![0; pages.div_ceil(64) as usize];
         let page_shift = page_size.is_power_of_two().then(|| page_size.trailing_zeros());
-        self.ranges.push(Range { segment, base, kind, map_ahead, page_size, page_shift, mapped });
+        self.ranges.push(Range { segment, base, kind, map_ahead, page_size, page_shift, pages: PageMap::new(pages) });
         Ok(segment)
     }
 
@@ -189,7 +144,7 @@ impl Expandable {
     #[inline]
     pub fn is_backed(&self, segment: SegmentId, address: u64, len: u64) -> bool {
         let Some(range) = self.ranges.iter().find(|r| r.segment == segment) else { return true };
-        range.all_mapped(range.pages_under(address, len))
+        range.pages.all_mapped(range.pages_under(address, len))
     }
 
     /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet; says
@@ -213,7 +168,7 @@ impl Expandable {
         let range = &self.ranges[index];
         let pages = range.pages_under(address, len);
         // The common case, a block on pages already mapped: no call and no allocation.
-        if range.all_mapped(pages.clone()) {
+        if range.pages.all_mapped(pages.clone()) {
             return Ok(false);
         }
         self.map_missing(device, heap, index, pages, free_end, limit)?;
@@ -232,55 +187,72 @@ impl Expandable {
         free_end: u64,
         limit: Option<u64>,
     ) -> Result<(), DeviceError> {
+        let big_handles = self.paging.mode == PagingMode::Pager;
         let range = &mut self.ranges[index];
         let page_size = range.page_size;
-        let (segment, first, end) = (range.segment, pages.start, pages.end);
+        let (first, end) = (pages.start, pages.end);
         let ahead_end = ((free_end - range.base) / page_size).max(end);
-        for run in range.runs(first..end, false) {
+        for run in range.pages.runs(first..end, false) {
             let wanted_end = (run.start + range.map_ahead / page_size).clamp(run.end, ahead_end);
-            let ahead = if run.end == end { range.runs(run.end..wanted_end, false).first().cloned() } else { None };
+            let ahead =
+                if run.end == end { range.pages.runs(run.end..wanted_end, false).first().cloned() } else { None };
             let extended = match ahead {
                 Some(more) if more.start == run.end => run.start..more.end,
                 _ => run.clone(),
             };
-            let done = match Self::map_run(device, heap, range, segment, extended.clone(), page_size, limit) {
+            let done = match Self::map_run(device, heap, range, extended.clone(), limit, big_handles) {
                 Err(DeviceError::OutOfMemory { .. }) if extended != run => {
-                    Self::map_run(device, heap, range, segment, run.clone(), page_size, limit).map(|_| run)?
+                    Self::map_run(device, heap, range, run.clone(), limit, big_handles).map(|_| run)?
                 }
                 other => other.map(|_| extended)?,
             };
             if let Some(calls) = self.calls.as_mut() {
-                calls.push((true, range.base + done.start * page_size, (done.end - done.start) * page_size));
+                let (address, size) = range.extent(&done);
+                calls.push((true, address, size));
             }
         }
         Ok(())
     }
 
+    /// Maps unmapped `run` of `range` in one device call, backed by one handle per page, or by
+    /// one for the whole run when `big_handles` allows it and the device has room.
     fn map_run<D: Device>(
         device: &mut D,
         heap: &mut Heap,
         range: &mut Range,
-        segment: SegmentId,
         run: std::ops::Range<u64>,
-        page_size: u64,
         limit: Option<u64>,
+        big_handles: bool,
     ) -> Result<(), DeviceError> {
-        let bytes = (run.end - run.start) * page_size;
+        let (address, bytes) = range.extent(&run);
         // The pool's own limit (a memory fraction) refuses like the device would.
         let reserved = heap.stats().get(Metric::ReservedBytes, StatType::All).current;
         if limit.is_some_and(|limit| reserved + bytes > limit) {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
-        device.map(range.base + run.start * page_size, bytes, page_size)?;
-        heap.stats_mut().driver.mapped_run(run.end - run.start);
-        let runs = 1 - range.touches_mapped(&run);
-        range.set(run, true);
-        heap.note_mapped(segment, bytes, true, runs);
+        let one_handle = big_handles && Self::roomy(device, reserved + bytes, limit);
+        let handle = if one_handle { bytes } else { range.page_size };
+        device.map(address, bytes, handle)?;
+        heap.stats_mut().driver.mapped_run(bytes / handle);
+        let runs = 1 - range.pages.touches_mapped(&run);
+        range.pages.map(run, handle / range.page_size);
+        heap.note_mapped(range.segment, bytes, true, runs);
         heap.stats_mut().num_device_map += 1;
         Ok(())
     }
 
-    /// Unmaps every mapped page that lies wholly inside free space; returns the bytes freed.
+    /// Whether, with `reserved` bytes mapped, at least [`ROOMY_SHARE`] of what the pool may hold
+    /// (the device's capacity, or its limit if lower) stays free. A device of unknown capacity
+    /// under no limit always has room.
+    fn roomy<D: Device>(device: &D, reserved: u64, limit: Option<u64>) -> bool {
+        let info = device.memory_info();
+        let Some(capacity) = info.total.into_iter().chain(limit).min() else { return true };
+        let device_free = info.total.map_or(u64::MAX, |total| total.saturating_sub(info.held));
+        let free = device_free.min(capacity.saturating_sub(reserved));
+        free as f64 >= ROOMY_SHARE * capacity as f64
+    }
+
+    /// Unmaps every handle that lies wholly inside free space; returns the bytes freed.
     /// Space a stream freed while busy may still be in use by its queued work: with `wait` the
     /// stream is synchronized first (as `cudaFree` would), else that space stays mapped.
     pub fn unmap_free_pages<D: Device>(
@@ -313,23 +285,20 @@ impl Expandable {
                 if first >= end {
                     continue;
                 }
-                // One page per call: the device can unmap each on its own (on CUDA, one
-                // mapping each), so a failure leaves every page before it unmapped and recorded
-                // as such, and the rest mapped.
-                for run in range.runs(first..end, true) {
-                    for page in run {
-                        let address = range.base + page * page_size;
-                        device.unmap(address, page_size)?;
-                        if let Some(calls) = self.calls.as_mut() {
-                            calls.push((false, address, page_size));
-                        }
-                        range.set(page..page + 1, false);
-                        let runs = range.touches_mapped(&(page..page + 1)) - 1;
-                        heap.note_mapped(range.segment, page_size, false, runs);
-                        heap.stats_mut().num_device_unmap += 1;
-                        heap.stats_mut().driver.unmap += 1;
-                        released += page_size;
+                // One handle per call (on CUDA, one mapping each), so a failure leaves every
+                // handle before it unmapped and recorded as such, and the rest mapped.
+                for handle in range.pages.handles_within(first..end) {
+                    let (address, size) = range.extent(&handle);
+                    device.unmap(address, size)?;
+                    if let Some(calls) = self.calls.as_mut() {
+                        calls.push((false, address, size));
                     }
+                    let runs = range.pages.touches_mapped(&handle) - 1;
+                    range.pages.unmap(handle);
+                    heap.note_mapped(range.segment, size, false, runs);
+                    heap.stats_mut().num_device_unmap += 1;
+                    heap.stats_mut().driver.unmap += 1;
+                    released += size;
                 }
             }
         }
@@ -346,7 +315,8 @@ impl Expandable {
                 if b.size < rounded || (b.stream != stream && b.stream != SHARED) {
                     continue;
                 }
-                let unmapped = range.pages_under(b.address, rounded).filter(|&p| !range.is_mapped(p)).count() as u64;
+                let unmapped =
+                    range.pages_under(b.address, rounded).filter(|&p| !range.pages.is_mapped(p)).count() as u64;
                 if best.is_none_or(|(u, a, _)| (unmapped, b.address) < (u, a)) {
                     best = Some((unmapped, b.address, id));
                 }
@@ -390,7 +360,7 @@ impl Expandable {
         let mut first = 0;
         let mut out = Vec::new();
         let page_size = range.page_size;
-        for run in range.runs(0..segment.size / page_size, true) {
+        for run in range.pages.runs(0..segment.size / page_size, true) {
             let (start, end) = (range.base + run.start * page_size, range.base + run.end * page_size);
             // Blocks are in address order; one that reaches past this run also starts the next.
             while blocks[first].address + blocks[first].size <= start {
@@ -426,6 +396,7 @@ impl Expandable {
     fn mapped_within(&self, range: &Range, address: u64, size: u64) -> u64 {
         let page_size = range.page_size;
         range
+            .pages
             .runs(range.pages_under(address, size), true)
             .iter()
             .map(|run| {
@@ -462,16 +433,16 @@ impl Expandable {
             if range.kind != seg.kind {
                 return Err(format!("range {:#x} changed pool kind", range.base));
             }
-            let pages: u64 = range.mapped.iter().map(|w| w.count_ones() as u64).sum();
-            if pages * range.page_size != heap.mapped_bytes(range.segment) {
+            if range.pages.mapped_pages() * range.page_size != heap.mapped_bytes(range.segment) {
                 return Err(format!("range {:#x}: page map and heap disagree on mapped bytes", range.base));
             }
-            let runs = range.runs(0..range.mapped.len() as u64 * 64, true).len();
+            let runs = range.pages.runs(0..range.pages.len(), true).len();
             if runs != heap.mapped_runs(range.segment) as usize {
                 return Err(format!("range {:#x}: page map and heap disagree on mapped runs", range.base));
             }
+            range.pages.check().map_err(|e| format!("range {:#x}: {e}", range.base))?;
             for b in seg.blocks.iter().filter(|b| b.state != crate::core::BlockState::Free) {
-                if range.pages_under(b.address, b.size).any(|p| !range.is_mapped(p)) {
+                if !range.pages.all_mapped(range.pages_under(b.address, b.size)) {
                     return Err(format!("block {:#x} is in use but not fully mapped", b.address));
                 }
             }

@@ -9,6 +9,7 @@ mod expandable;
 mod growth;
 mod held;
 mod history;
+mod page_map;
 mod release;
 mod seed;
 mod streams;
@@ -264,13 +265,26 @@ impl<D: Device> Pool<D> {
         self.synchronize()?;
         self.release_cached()?;
         self.heap.stats_mut().num_alloc_retries += 1;
-        let retried = self.try_cached(size, stream).and_then(|cached| match cached {
-            Some(a) => Ok(a),
-            None => self.grow(size, stream),
-        });
+        // gpupool's pager places the retry where it needs the fewest new pages: now that every
+        // free handle is unmapped, a best fit could spend pages that a hole's mapped edges save.
+        let least_first = self.expandable.as_ref().is_some_and(Expandable::places_least_mapping_first);
+        let retried = match least_first {
+            true => self.take_least_mapping(size, stream),
+            false => Err(PoolError::Device(DeviceError::OutOfMemory { requested: size })),
+        };
+        let retried = match retried {
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {
+                self.try_cached(size, stream).and_then(|cached| match cached {
+                    Some(a) => Ok(a),
+                    None => self.grow(size, stream),
+                })
+            }
+            other => other,
+        };
+        // The reference pager (`pages`) tries that only when a best fit failed.
         let places_by_pages = self.expandable.as_ref().is_some_and(Expandable::places_by_pages);
         let retried = match retried {
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) if places_by_pages => {
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) if places_by_pages && !least_first => {
                 self.take_least_mapping(size, stream)
             }
             other => other,
@@ -288,7 +302,7 @@ impl<D: Device> Pool<D> {
         PoolError::OutOfMemory(Box::new(self.oom_report(size)))
     }
 
-    /// gpupool's pager's last resort: place the block where it needs the fewest new pages.
+    /// The pagers' placement under pressure: the block goes where it needs the fewest new pages.
     fn take_least_mapping(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         let rules = self.heap.rules();
         let (rounded, oom) = (rules.round(size), PoolError::Device(DeviceError::OutOfMemory { requested: size }));

@@ -3,12 +3,13 @@
 //! and `unreserve` of the [`Device`](crate::device::Device) trait.
 //!
 //! A *reservation* is address space with nothing behind it (`cuMemAddressReserve`). Mapping a run
-//! creates one physical allocation per pool page (`cuMemCreate`), the unit the pool may later
-//! unmap on its own, maps each (`cuMemMap`), grants access to the whole run in one call
-//! (`cuMemSetAccess`, with a descriptor per peer device), and releases each handle at once
-//! (`cuMemRelease`: the memory lives until its mapping goes, so unmapping a page is one call,
-//! `cuMemUnmap`, that either happens or not). Sizes and addresses are multiples of the driver's
-//! granularity (`cuMemGetAllocationGranularity`). Mapped pages count as memory the device holds.
+//! creates one physical allocation per handle the pool asks for (`cuMemCreate`; a handle is one
+//! page or a whole run), the unit the pool may later unmap on its own, maps each (`cuMemMap`),
+//! grants access to the whole run in one call (`cuMemSetAccess`, with a descriptor per peer
+//! device), and releases each handle at once (`cuMemRelease`: the memory lives until its mapping
+//! goes, so unmapping a handle is one call, `cuMemUnmap`, that either happens or not). Sizes and
+//! addresses are multiples of the driver's granularity (`cuMemGetAllocationGranularity`). Mapped
+//! handles count as memory the device holds.
 
 use super::driver::{self, check, check_alloc};
 use super::Cuda;
@@ -149,15 +150,16 @@ impl Cuda {
         Ok(base)
     }
 
-    /// Checks that `[address, address + size)` lies in one reservation, aligned to `unit` (a
-    /// multiple of the granularity); returns the reservation's base.
+    /// Checks that `[address, address + size)` lies in one reservation, starts on the
+    /// granularity and is a whole number of `unit`s (a multiple of the granularity); returns the
+    /// reservation's base.
     fn aligned_range(&mut self, address: u64, size: u64, unit: u64) -> Result<u64, DeviceError> {
         let granularity = self.page_size()?;
         let invalid = DeviceError::InvalidAddress(address);
         let (base, r) = self.reservations.holding(address).ok_or(invalid.clone())?;
         let end = address.checked_add(size).ok_or(invalid.clone())?;
         let aligned = |v: u64, to: u64| to != 0 && v.is_multiple_of(to);
-        if size == 0 || !aligned(unit, granularity) || !aligned(address - base, unit) || !aligned(size, unit) {
+        if size == 0 || !aligned(unit, granularity) || !aligned(address - base, granularity) || !aligned(size, unit) {
             return Err(invalid);
         }
         if end > base + r.size {
@@ -204,11 +206,11 @@ impl Cuda {
         Ok(device_access(ordinal, &self.reservations.options.peers))
     }
 
-    /// Backs `[address, address + size)` with one physical allocation per `page`, mapped each,
-    /// with access set once for the whole run. Nothing in the range may be mapped; on failure
-    /// whatever this call mapped is unmapped again.
-    pub(super) fn map_range(&mut self, address: u64, size: u64, page: u64) -> Result<(), DeviceError> {
-        let base = self.aligned_range(address, size, page)?;
+    /// Backs `[address, address + size)` with one physical allocation per `handle` bytes, mapped
+    /// each, with access set once for the whole run. Nothing in the range may be mapped; on
+    /// failure whatever this call mapped is unmapped again.
+    pub(super) fn map_range(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
+        let base = self.aligned_range(address, size, handle)?;
         if self.reservations.by_base[&base]
             .mappings
             .range(..address + size)
@@ -222,8 +224,8 @@ impl Cuda {
         let _current = self.context.enter()?;
         let prop = allocation_properties(self.ordinal(), self.reservations.options.shareable);
         let mut mapped = Vec::new();
-        let outcome = (address..address + size).step_by(page as usize).try_for_each(|at| {
-            map_one(at, page, &prop)?;
+        let outcome = (address..address + size).step_by(handle as usize).try_for_each(|at| {
+            map_one(at, handle, &prop)?;
             mapped.push(at);
             Ok(())
         });
@@ -235,21 +237,21 @@ impl Cuda {
         });
         if let Err(e) = outcome {
             for at in mapped {
-                // A failure here leaves the page mapped but unknown to the pool: a later map of it
-                // fails, which is safe; nothing is handed out on it.
-                unmap_one(at, page).ok();
+                // A failure here leaves the handle mapped but unknown to the pool: a later map of
+                // it fails, which is safe; nothing is handed out on it.
+                unmap_one(at, handle).ok();
             }
             return Err(e);
         }
         let mappings = &mut self.reservations.by_base.get_mut(&base).expect("reservation checked above").mappings;
-        mappings.extend((address..address + size).step_by(page as usize).map(|at| (at, page)));
+        mappings.extend((address..address + size).step_by(handle as usize).map(|at| (at, handle)));
         self.held += size;
         Ok(())
     }
 
     /// Unmaps `[address, address + size)`, which must be whole mappings; stops at the first
     /// failure with the mappings before it gone and the rest still mapped (the pool asks for one
-    /// page at a time, so that is all or nothing).
+    /// handle at a time, so that is all or nothing).
     pub(super) fn unmap_range(&mut self, address: u64, size: u64) -> Result<(), DeviceError> {
         let granularity = self.page_size()?;
         let base = self.aligned_range(address, size, granularity)?;
@@ -270,7 +272,7 @@ impl Cuda {
         Ok(())
     }
 
-    /// Gives the reservation at `base` back; every page of it must be unmapped.
+    /// Gives the reservation at `base` back; every handle of it must be unmapped.
     pub(super) fn unreserve_range(&mut self, base: u64) -> Result<(), DeviceError> {
         let r = self.reservations.by_base.get(&base).ok_or(DeviceError::InvalidAddress(base))?;
         if !r.mappings.is_empty() {
@@ -293,21 +295,21 @@ impl Cuda {
     }
 }
 
-/// Creates one physical allocation of `page` bytes, maps it at `address` and releases the handle
+/// Creates one physical allocation of `size` bytes, maps it at `address` and releases the handle
 /// (the mapping keeps the memory alive). The context must be current.
-fn map_one(address: u64, page: u64, prop: &sys::CUmemAllocationProp) -> Result<(), DeviceError> {
+fn map_one(address: u64, size: u64, prop: &sys::CUmemAllocationProp) -> Result<(), DeviceError> {
     let mut handle = 0;
     // SAFETY: `prop` is fully initialized; one handle written.
-    check_alloc("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, page as usize, prop, 0) }, page)?;
-    // SAFETY: `address` is an unmapped, aligned page of a live reservation of ours.
-    let mapped = check("cuMemMap", unsafe { sys::cuMemMap(address, page as usize, 0, handle, 0) });
+    check_alloc("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, size as usize, prop, 0) }, size)?;
+    // SAFETY: `[address, address + size)` is unmapped, aligned and inside a live reservation of ours.
+    let mapped = check("cuMemMap", unsafe { sys::cuMemMap(address, size as usize, 0, handle, 0) });
     // SAFETY: the handle is released once; if it was mapped, the mapping keeps the memory until
     // it is unmapped (the driver's documented lifetime), else the memory goes now.
     let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
     match (mapped, released) {
         (Err(e), _) => Err(e),
         (Ok(()), Err(e)) => {
-            unmap_one(address, page).ok();
+            unmap_one(address, size).ok();
             Err(e)
         }
         (Ok(()), Ok(())) => Ok(()),

@@ -205,9 +205,8 @@ impl Keys {
             Strategy::Expandable => {
                 Some(Paging { page: [page(DEFAULT_PAGE_MB), page(HANDLE_LARGE_MB)], mode: PagingMode::Handles })
             }
-            Strategy::Pages | Strategy::Default => {
-                Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pages })
-            }
+            Strategy::Pages => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pages }),
+            Strategy::Default => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pager }),
             _ => None,
         };
         Ok(Config {
@@ -387,7 +386,8 @@ mod tests {
         let parse = |s: &str| Config::parse(&format!("strategy:{s}")).unwrap();
         assert_eq!(parse("default"), Config::default());
         assert_eq!(parse("pytorch").rules, Rules::pytorch());
-        assert_eq!(parse("default").paging, Some(Paging { page: [2 * MIB; 2], mode: PagingMode::Pages }));
+        let pager = Paging { page: [2 * MIB; 2], mode: PagingMode::Pager };
+        assert_eq!(parse("default").paging, Some(pager));
         assert_eq!(parse("bfc").rules, Rules::bfc());
         let arena = parse("arena");
         assert_eq!((arena.initial_pool_size, arena.rules.growth_unit), (1024 * MIB, 1024 * MIB));
@@ -398,7 +398,7 @@ mod tests {
         assert_eq!((direct.rules.growth, direct.release_threshold), (SegmentGrowth::Exact, Some(0.0)));
         // PyTorch's handles: 2 MiB in the small pool, 20 MiB in the large one.
         assert_eq!(parse("expandable").paging, Some(Paging { page: [2 * MIB, 20 * MIB], mode: PagingMode::Handles }));
-        assert_eq!(parse("pages").paging, parse("default").paging);
+        assert_eq!(parse("pages").paging, Some(Paging { mode: PagingMode::Pages, ..pager }));
         assert_eq!(parse("pages").rules, Rules::pytorch());
         let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
         assert_eq!((pages.strategy, pages.paging.unwrap().page), (Strategy::Expandable, [16 * MIB; 2]));
