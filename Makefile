@@ -24,6 +24,7 @@ lint: install
 	cargo fmt --check
 	cargo clippy --all-targets --features cuda -- -D warnings
 	cargo clippy --lib --features python,cuda -- -D warnings
+	cargo clippy --lib -- -D warnings
 
 bench: install
 	cargo bench

@@ -12,7 +12,7 @@
 
 use crate::core::Handle;
 use crate::device::{Device, DeviceError, Host, StreamId};
-use crate::pool::{Backend as PoolBackend, Config, Pool, PoolError};
+use crate::pool::{Config, Pool, PoolError};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -48,6 +48,7 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda => {
                 use crate::device::{Cuda, CudaMode};
+                use crate::pool::Backend as PoolBackend;
                 let mode = match config.backend {
                     PoolBackend::CudaMallocAsync => CudaMode::Async,
                     PoolBackend::Native => CudaMode::Direct,
