@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import gpupool
 from gpupool import _native
 from gpupool._advice import fidelity, snapshot, start
+from pool_checks import EXAMPLES_SCALE
 
 MiB = 1 << 20
 CONFIG = "strategy:pytorch,cross_stream_reuse:never"
@@ -60,7 +61,7 @@ def recording(before, after, flush: bool):
     return then, pool.snapshot(), pool.max_memory_reserved()
 
 
-@settings(max_examples=100)
+@settings(max_examples=100 * EXAMPLES_SCALE)
 @given(OPS, OPS, st.booleans())
 def test_undoing_the_history_gives_the_state_it_began_in(before, after, flush):
     then, final, peak = recording(before, after, flush)
@@ -75,7 +76,7 @@ def test_undoing_the_history_gives_the_state_it_began_in(before, after, flush):
     assert fidelity.recorded_peak_reserved(decisions, state.reserved_bytes) == (peak if decisions else None)
 
 
-@settings(max_examples=100)
+@settings(max_examples=100 * EXAMPLES_SCALE)
 @given(OPS, OPS)
 def test_replaying_from_the_start_reproduces_the_decisions_and_final_segments(before, after):
     _, final, _ = recording(before, after, flush=False)

@@ -16,14 +16,14 @@ import pytest
 from hypothesis import settings
 
 import gpupool
-from pool_checks import MiB
+from pool_checks import EXAMPLES_SCALE, MiB
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not gpupool.cuda_available(), reason="no usable CUDA driver and GPU"),
 ]
 
-GPU_SETTINGS = settings(max_examples=25, stateful_step_count=40, deadline=None)
+GPU_SETTINGS = settings(max_examples=25 * EXAMPLES_SCALE, stateful_step_count=40, deadline=None)
 
 
 def needs(module: str):
