@@ -100,9 +100,13 @@ impl OomReport {
         if limited_by_fraction {
             advice.push("The device has room: raise per_process_memory_fraction.".to_string());
         }
-        if self.reserved_unallocated() >= self.requested && self.strategy != "expandable" {
-            let mut text =
-                "Try GPUPOOL_ALLOC_CONF=strategy:expandable (one address space, so free holes coalesce)".to_string();
+        if self.reserved_unallocated() >= self.requested && self.strategy != "default" {
+            // The default pager maps pages on demand in one address range for every size and
+            // gives whole free handles back under pressure: the fragmentation measured here is
+            // what it avoids (PyTorch's expandable segments keep partly used 20 MiB handles).
+            let mut text = "Try GPUPOOL_ALLOC_CONF=strategy:default (one address range for every size, pages mapped \
+                            on demand and given back as they empty, so free holes coalesce and cost no memory)"
+                .to_string();
             // Blocks at least max_split_size stay whole for requests at least that big.
             if self.max_split_size.is_none() && self.requested >= 20 * MIB {
                 text += &format!(
@@ -161,5 +165,35 @@ impl From<HeapError> for PoolError {
 impl From<DeviceError> for PoolError {
     fn from(e: DeviceError) -> Self {
         PoolError::Device(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(strategy: &'static str) -> OomReport {
+        OomReport {
+            device: "sim".into(),
+            requested: 64 * MIB,
+            capacity: Some(1 << 30),
+            device_free: Some(0),
+            allocated: 700 * MIB,
+            reserved: 1 << 30,
+            largest_free_block: 32 * MIB,
+            limit: None,
+            strategy,
+            max_split_size: None,
+            garbage_collection_inert: false,
+        }
+    }
+
+    #[test]
+    fn fragmentation_points_other_strategies_at_the_default_pager() {
+        let advice = report("pytorch").advice().join(" ");
+        assert!(advice.contains("strategy:default"), "{advice}");
+        assert!(advice.contains("max_split_size_mb:64"), "{advice}");
+        assert!(report("expandable").advice().join(" ").contains("strategy:default"));
+        assert!(!report("default").advice().join(" ").contains("strategy:"), "the default is what ran");
     }
 }
