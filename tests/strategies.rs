@@ -171,14 +171,14 @@ fn oversize_cached_blocks_go_back_before_the_flush() {
 }
 
 #[test]
-fn an_oom_from_fragmentation_suggests_expandable_segments() {
+fn an_oom_from_fragmentation_suggests_the_default_pager() {
     let mut pool = pool(25 * MIB, "");
     let quarters = [0; 4].map(|_| pool.alloc(5 * MIB).unwrap());
     pool.free(quarters[0].handle).unwrap();
     pool.free(quarters[2].handle).unwrap();
     let Err(PoolError::OutOfMemory(report)) = pool.alloc(8 * MIB) else { panic!("expected OOM") };
     let text = report.to_string();
-    assert!(text.contains("fragmentation") && text.contains("strategy:expandable"), "{text}");
+    assert!(text.contains("fragmentation") && text.contains("strategy:default"), "{text}");
     assert!(!text.contains("max_split_size_mb"), "useless below 20 MiB: {text}");
 }
 
