@@ -27,21 +27,14 @@ pub const BIN_COUNT: usize = FL_COUNT * SL_COUNT;
 const SCAN_LIMIT: usize = 8;
 
 /// Index of the bin holding free blocks of `size` bytes.
+///
+/// Without a branch: with `log2` at least `LINEAR_LOG2`, `size >> (log2 - SL_LOG2)` is the
+/// second-level index plus `SL_COUNT` above the linear range and the granule below it, and each
+/// power of two above adds `SL_COUNT` bins.
 #[inline(always)]
 pub fn bin_index(size: u64) -> usize {
-    let (fl, sl) = mapping(size);
-    fl * SL_COUNT + sl
-}
-
-#[inline(always)]
-fn mapping(size: u64) -> (usize, usize) {
-    if size < (1 << LINEAR_LOG2) {
-        (0, (size >> GRANULE_LOG2) as usize)
-    } else {
-        let log2 = 63 - size.leading_zeros();
-        let sl = (size >> (log2 - SL_LOG2)) as usize & (SL_COUNT - 1);
-        ((log2 - LINEAR_LOG2 + 1) as usize, sl)
-    }
+    let log2 = (63 - (size | 1).leading_zeros()).max(LINEAR_LOG2);
+    ((size >> (log2 - SL_LOG2)) as usize) + (((log2 - LINEAR_LOG2) as usize) << SL_LOG2)
 }
 
 /// The free blocks of one (stream, pool kind), by size class.
@@ -237,6 +230,29 @@ mod tests {
             expandable: false,
             generation: 0,
             state: BlockState::Free,
+        }
+    }
+
+    /// The two-level mapping written out with a branch, as TLSF describes it.
+    fn two_level(size: u64) -> usize {
+        if size < (1 << LINEAR_LOG2) {
+            (size >> GRANULE_LOG2) as usize
+        } else {
+            let log2 = 63 - size.leading_zeros();
+            let sl = (size >> (log2 - SL_LOG2)) as usize & (SL_COUNT - 1);
+            (log2 - LINEAR_LOG2 + 1) as usize * SL_COUNT + sl
+        }
+    }
+
+    #[test]
+    fn branchless_index_is_the_two_level_mapping() {
+        let mut sizes: Vec<u64> = (0..70_000).chain([u64::MAX, u64::MAX - 1, 1 << 63]).collect();
+        for log2 in 0..64 {
+            let p = 1u64 << log2;
+            sizes.extend([p - 1, p, p + 1, p | (p >> 1), p | (p >> 6)]);
+        }
+        for size in sizes {
+            assert_eq!(bin_index(size), two_level(size), "size {size}");
         }
     }
 

@@ -63,7 +63,7 @@ impl Block {
     /// space in expandable segments is not counted: its pages can always be unmapped.
     #[inline]
     pub fn is_inactive_split(&self) -> bool {
-        self.state == BlockState::Free && self.is_split() && !self.expandable
+        !self.expandable && self.state == BlockState::Free && self.is_split()
     }
 
     #[inline]

@@ -7,7 +7,7 @@
 //! completes: [`Heap::fence`] and [`Heap::promote`]. Neighbours merge when their owners agree or
 //! one of them is shared; blocks of two different streams stay apart.
 
-use super::bins::Bins;
+use super::bins::{bin_index, Bins};
 use super::block::{Block, BlockState, Handle, NIL, SHARED, USE_OVERFLOW_BIT};
 use super::owners::Epoch;
 use super::rules::{PoolKind, Rules};
@@ -318,7 +318,7 @@ impl Heap {
     }
 
     /// A cached block owned by `owner` that fits `requested` bytes.
-    #[inline]
+    #[inline(always)]
     pub fn find(&self, rounded: u64, owner: u32) -> Option<u32> {
         let kind = self.rules.kind(rounded);
         let bins = &self.bins(owner)?[kind.index()];
@@ -348,10 +348,8 @@ impl Heap {
     /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign`] for
     /// `rounded`, the rules' size for `requested`) to `stream`, splitting off the unused tail
     /// when the rules say so. Returns the handle and the block's address.
-    #[inline]
+    #[inline(always)]
     pub fn take_block(&mut self, id: u32, requested: u64, rounded: u64, stream: u32) -> (Handle, u64) {
-        self.bin_remove(id);
-        self.uncount_inactive(id);
         let block = &self.blocks[id as usize];
         let kind = block.kind;
         self.clocks[kind.index()] = self.clocks[kind.index()].wrapping_add(1);
@@ -361,9 +359,13 @@ impl Heap {
         } else {
             self.rules.should_split(kind, block.size, rounded)
         };
-        if split {
-            self.split(id, rounded);
-        }
+        let id = if split {
+            self.carve(id, rounded)
+        } else {
+            self.bin_remove(id);
+            self.uncount_inactive(id);
+            id
+        };
         let block = &mut self.blocks[id as usize];
         block.state = BlockState::Allocated;
         block.requested = requested;
@@ -408,8 +410,44 @@ impl Heap {
         Some(self.take_block(id, requested, rounded, stream).0)
     }
 
+    /// Cuts the first `size` bytes off free block `id` as a new block, which it returns (not
+    /// binned, state still free). The rest stays where it is in its bin unless its size moved
+    /// it to another bin: most carves then touch no bin list.
+    #[inline(always)]
+    fn carve(&mut self, id: u32, size: u64) -> u32 {
+        self.uncount_inactive(id);
+        let b = self.blocks[id as usize].clone();
+        let rest = b.size - size;
+        let moves = bin_index(rest) != bin_index(b.size);
+        if moves {
+            self.bin_remove(id);
+        }
+        let head = self.new_block(Block { size, requested: 0, next: id, bin_prev: NIL, bin_next: NIL, ..b });
+        if b.prev != NIL {
+            self.blocks[b.prev as usize].next = head;
+        } else {
+            self.set_segment_head(b.segment, head);
+        }
+        let block = &mut self.blocks[id as usize];
+        block.prev = head;
+        block.address += size;
+        block.size = rest;
+        if moves {
+            self.bin_insert(id);
+        }
+        self.count_inactive(id);
+        head
+    }
+
+    #[inline(always)]
+    fn set_segment_head(&mut self, sid: SegmentId, head: u32) {
+        if let Some(seg) = self.segments[sid as usize].as_mut() {
+            seg.head = head;
+        }
+    }
+
     /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.
-    #[inline]
+    #[inline(always)]
     fn split(&mut self, id: u32, size: u64) {
         let b = self.blocks[id as usize].clone();
         let tail = self.new_block(Block {
@@ -460,7 +498,7 @@ impl Heap {
     }
 
     /// Ends an allocation: the user no longer holds the block.
-    #[inline]
+    #[inline(always)]
     fn end_allocation(&mut self, handle: Handle) -> Result<u32, HeapError> {
         let b = self.block(handle)?;
         let (size, requested, kind) = (b.size, b.requested, b.kind);
@@ -476,7 +514,7 @@ impl Heap {
     /// Ends an allocation, validating the handle once. A block no other stream used returns to
     /// its stream's bins, merged with free neighbours. One with recorded uses stays active (not
     /// reusable) until [`Heap::complete_pending`]: device work on those streams may not be done.
-    #[inline]
+    #[inline(always)]
     pub fn release(&mut self, handle: Handle) -> Result<Released, HeapError> {
         let id = self.end_allocation(handle)?;
         let block = &mut self.blocks[id as usize];
@@ -505,7 +543,7 @@ impl Heap {
     }
 
     /// Turns allocated-or-pending block `id` into a free block of its stream and bins it.
-    #[inline]
+    #[inline(always)]
     fn make_free(&mut self, id: u32) {
         let block = &mut self.blocks[id as usize];
         let (kind, size, stream) = (block.kind, block.size, block.stream);
@@ -526,9 +564,12 @@ impl Heap {
     /// (which become the block's owner's: stricter, so still safe), then bins the result.
     /// A shared block never absorbs a stream's block: that would hide the stream's block from
     /// its owner's bins for nothing.
-    #[inline]
+    #[inline(always)]
     pub(super) fn coalesce_and_bin(&mut self, mut id: u32) {
         let owner = self.blocks[id as usize].stream;
+        if self.merge_into_next(id, owner) {
+            return;
+        }
         // Loops, not ifs: absorbing a shared neighbour can expose another block of this owner
         // (shared and private blocks may alternate after promotions).
         loop {
@@ -550,6 +591,54 @@ impl Heap {
         }
         self.bin_insert(id);
         self.count_inactive(id);
+    }
+
+    /// The common free: the block's only free neighbour is the next one, which already belongs
+    /// to `owner`. That neighbour grows down over the block and keeps its place in its bin
+    /// unless its size moved it to another bin. Returns false, changing nothing, otherwise.
+    #[inline(always)]
+    fn merge_into_next(&mut self, id: u32, owner: u32) -> bool {
+        let b = &self.blocks[id as usize];
+        let (prev, next, size, address, epoch, segment) = (b.prev, b.next, b.size, b.address, b.epoch, b.segment);
+        if next == NIL || (prev != NIL && self.mergeable(owner, prev)) {
+            return false;
+        }
+        let n = &self.blocks[next as usize];
+        if n.state != BlockState::Free || n.stream != owner {
+            return false;
+        }
+        let after = n.next;
+        if after != NIL && self.mergeable(owner, after) {
+            return false;
+        }
+        let n = &self.blocks[next as usize];
+        let moves = bin_index(n.size + size) != bin_index(n.size);
+        self.uncount_inactive(next);
+        if moves {
+            self.bin_remove(next);
+        }
+        let n = &mut self.blocks[next as usize];
+        n.address = address;
+        n.size += size;
+        n.prev = prev;
+        n.epoch = n.epoch.max(epoch);
+        if prev != NIL {
+            self.blocks[prev as usize].next = next;
+        } else {
+            self.set_segment_head(segment, next);
+        }
+        self.drop_block(id);
+        if moves {
+            self.bin_insert(next);
+        } else if !self.blocks[next as usize].is_split() {
+            // `bin_insert` would have noted when the segment became one free block.
+            let clock = self.clocks[self.blocks[next as usize].kind.index()];
+            if let Some(seg) = self.segments[segment as usize].as_mut() {
+                seg.idle_since = clock;
+            }
+        }
+        self.count_inactive(next);
+        true
     }
 
     /// Adds free block `id` to the inactive-split statistics if it counts there.
@@ -593,7 +682,7 @@ impl Heap {
 
     /// Merges the block after `id` into `id`; both are out of the bins. The result belongs to
     /// `owner` and keeps the later epoch.
-    #[inline]
+    #[inline(always)]
     fn absorb_next(&mut self, id: u32, owner: u32) {
         let next = self.blocks[id as usize].next;
         // Only epochs of `owner`'s blocks mean anything for it; shared ones are stale.
@@ -705,6 +794,52 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    /// A free that merges into its already free neighbour takes the later of their epochs: a
+    /// fence recorded before the free must not share the freed bytes, whose stream may still
+    /// be using them.
+    #[test]
+    fn a_merged_free_is_not_shared_by_an_earlier_fence() {
+        for rules in [Rules::default(), Rules::pytorch()] {
+            let mut heap = Heap::new(rules);
+            heap.add_segment(0x1000_0000, 20 * MIB, PoolKind::Large, 1);
+            let take = |heap: &mut Heap| {
+                let id = heap.find(2 * MIB, 1).expect("the segment has room");
+                heap.take_block(id, 2 * MIB, 2 * MIB, 1).0
+            };
+            let (first, second) = (take(&mut heap), take(&mut heap));
+            heap.release(second).unwrap();
+            let fenced = heap.fence(1).expect("stream 1 freed a block");
+            heap.release(first).unwrap();
+            heap.promote(1, fenced);
+            heap.check_invariants().unwrap();
+            assert_eq!(heap.segments()[0].blocks.len(), 1, "the frees coalesced");
+            assert_eq!(heap.find(2 * MIB, SHARED), None, "the fence shared bytes freed after it");
+            assert!(heap.find(2 * MIB, 1).is_some());
+        }
+    }
+
+    /// A segment's age as an idle segment starts when its last block is freed, also when that
+    /// free merges into a neighbour without leaving its bin.
+    #[test]
+    fn a_segment_is_idle_from_its_last_free() {
+        for rules in [Rules::default(), Rules::pytorch()] {
+            let mut heap = Heap::new(rules);
+            // 200 and 202 MiB share a bin; 198 MiB lies in the one below.
+            let sid = heap.add_segment(0x1000_0000, 202 * MIB, PoolKind::Large, 1);
+            let take = |heap: &mut Heap| {
+                let id = heap.find(2 * MIB, 1).expect("the segment has room");
+                heap.take_block(id, 2 * MIB, 2 * MIB, 1).0
+            };
+            let (first, second) = (take(&mut heap), take(&mut heap));
+            heap.release(second).unwrap();
+            assert!(!heap.is_idle(sid));
+            heap.release(first).unwrap();
+            assert!(heap.is_idle(sid));
+            assert_eq!(heap.idle_segment(sid).age, 0, "idle since the last free, not since it was made");
+            heap.check_invariants().unwrap();
+        }
+    }
 
     /// A recorded layout rebuilt block by block, from the highest address down: each block lands
     /// where it was, the space around it stays free, and the rules still decide whether a block

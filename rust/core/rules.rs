@@ -31,6 +31,7 @@ pub enum PoolKind {
 impl PoolKind {
     pub const ALL: [PoolKind; 2] = [PoolKind::Small, PoolKind::Large];
 
+    #[inline(always)]
     pub fn index(self) -> usize {
         self as usize
     }

@@ -100,19 +100,39 @@ impl StatType {
             StatType::SmallPool => "small_pool",
         }
     }
+}
 
+/// One metric: a counter per pool kind, and the peak of their sum. The `all` view's current and
+/// allocated values are sums, so an update touches one counter and one peak, not two counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Row {
+    /// By [`PoolKind::index`].
+    kinds: [Counter; 2],
+    all_peak: u64,
+}
+
+impl Row {
     #[inline(always)]
-    fn of(kind: PoolKind) -> StatType {
-        match kind {
-            PoolKind::Small => StatType::SmallPool,
-            PoolKind::Large => StatType::LargePool,
+    fn all_current(&self) -> u64 {
+        self.kinds[0].current + self.kinds[1].current
+    }
+
+    fn view(&self, of: StatType) -> Stat {
+        match of {
+            StatType::SmallPool => self.kinds[PoolKind::Small.index()].view(),
+            StatType::LargePool => self.kinds[PoolKind::Large.index()].view(),
+            StatType::All => {
+                let [a, b] = self.kinds;
+                let (current, allocated) = (a.current + b.current, a.allocated + b.allocated);
+                Stat { current, peak: self.all_peak, allocated, freed: allocated - current }
+            }
         }
     }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    table: [[Counter; 3]; 9],
+    table: [Row; 9],
     pub num_alloc_retries: u64,
     pub num_ooms: u64,
     pub num_device_alloc: u64,
@@ -126,26 +146,27 @@ pub struct Stats {
 
 impl Stats {
     pub fn get(&self, metric: Metric, of: StatType) -> Stat {
-        self.table[metric as usize][of as usize].view()
+        self.table[metric as usize].view(of)
     }
 
     #[inline(always)]
     pub fn increase(&mut self, metric: Metric, kind: PoolKind, amount: u64) {
         let row = &mut self.table[metric as usize];
-        row[StatType::All as usize].increase(amount);
-        row[StatType::of(kind) as usize].increase(amount);
+        row.kinds[kind.index()].increase(amount);
+        row.all_peak = row.all_peak.max(row.all_current());
     }
 
     #[inline(always)]
     pub fn decrease(&mut self, metric: Metric, kind: PoolKind, amount: u64) {
-        let row = &mut self.table[metric as usize];
-        row[StatType::All as usize].decrease(amount);
-        row[StatType::of(kind) as usize].decrease(amount);
+        self.table[metric as usize].kinds[kind.index()].decrease(amount);
     }
 
     pub fn reset_peaks(&mut self) {
-        for stat in self.table.iter_mut().flatten() {
-            stat.peak = stat.current;
+        for row in &mut self.table {
+            for counter in &mut row.kinds {
+                counter.peak = counter.current;
+            }
+            row.all_peak = row.all_current();
         }
     }
 
@@ -175,6 +196,6 @@ impl Stats {
 
     /// The `current` values only, for comparing against a recount.
     pub fn currents(&self) -> [[u64; 3]; 9] {
-        self.table.map(|row| row.map(|s| s.current))
+        self.table.map(|row| StatType::ALL.map(|of| row.view(of).current))
     }
 }

@@ -67,6 +67,15 @@ const ROOMY_SHARE: f64 = 0.9;
 /// address space, and only the words of mapped pages are ever written.
 const MAX_RANGE: u64 = 1 << 50;
 
+/// `size` raised by half the width of its free-list bin (`core::bins`), so that the range's
+/// free space stays in one bin while allocations carve pieces off its front and frees give them
+/// back: the bin lists are then not touched at all (`Heap::carve`). A range sized to a power of
+/// two would sit on a bin's lower edge and change bins on every carve.
+fn mid_bin(size: u64) -> u64 {
+    let log2 = 63 - size.max(1).leading_zeros();
+    size.saturating_add(1u64.checked_shl(log2.saturating_sub(6)).unwrap_or(0))
+}
+
 #[derive(Debug)]
 pub struct Expandable {
     paging: Paging,
@@ -124,7 +133,7 @@ impl Expandable {
         // Twice the capacity, at most 1 TiB unless one request needs more.
         let page_size = self.paging.page_of(kind);
         let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded + MAP_AHEAD);
-        let size = wanted.div_ceil(page_size) * page_size;
+        let size = mid_bin(wanted).div_ceil(page_size) * page_size;
         let base = device.reserve(size)?;
         heap.stats_mut().driver.reserve += 1;
         let segment = heap.add_expandable_segment(base, size, kind, stream);

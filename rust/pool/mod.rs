@@ -140,7 +140,7 @@ impl<D: Device> Pool<D> {
     /// Serves `size` bytes on `stream` from the cache without calling the device (no event
     /// queries, no page maps); `None` means [`Pool::alloc_on`] must. Callers that hold an
     /// interpreter lock try this first and release the lock only for the device.
-    #[inline]
+    #[inline(always)]
     pub fn alloc_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
         // Asking whether the stream is being captured is itself a device call.
@@ -238,7 +238,18 @@ impl<D: Device> Pool<D> {
     /// when the device refuses, every event is waited for, cached memory returned, the cache
     /// searched again (PyTorch forgets to) and the device asked once more (a device may refuse
     /// transiently, so that happens even if nothing was freed).
+    #[inline(always)]
     pub fn alloc_on(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
+        // The cache hit first: it needs none of the checks below, only the bins.
+        if let Ok(Some(a)) = self.alloc_cached(size, stream) {
+            return Ok(a);
+        }
+        self.alloc_uncached(size, stream)
+    }
+
+    /// [`Pool::alloc_on`] when [`Pool::alloc_cached`] could not serve the request.
+    #[inline(never)]
+    fn alloc_uncached(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         Self::validate(size)?;
         if self.captures_graphs {
             self.refuse_capture(stream)?;
@@ -360,7 +371,7 @@ impl<D: Device> Pool<D> {
     /// Returns an allocation's block to the cache. A block used on other streams waits for
     /// events recorded on them now; otherwise the device is not called, unless the release
     /// watermark gives memory back. An error means nothing changed: the handle is still live.
-    #[inline]
+    #[inline(always)]
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
         if self.captures_graphs && self.used_by_capture(handle)? {
             self.held_for_capture.push(handle);

@@ -43,6 +43,13 @@ pub fn size_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
         let kind = value.get_type().name()?;
         return Err(pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {kind}")));
     }
+    // Most sizes fit a u64: one C call. Only negatives and huge values take the slower path
+    // that tells them apart.
+    if let Ok(n) = value.extract::<u64>() {
+        if n <= crate::core::Rules::MAX_REQUEST {
+            return Ok(n);
+        }
+    }
     let n: i128 = value.extract().map_err(|_| PyValueError::new_err(format!("{what} {value} is absurdly large")))?;
     if n < 0 {
         return Err(PyValueError::new_err(format!("{what} must be non-negative, got {n}")));
