@@ -14,8 +14,7 @@ const CACHED_SIZES: [(u64, &str); 3] = [(512, "512B"), (64 * KIB, "64KiB"), (8 *
 const LIVE_COUNTS: [(usize, &str); 3] = [(1_000, "1k"), (100_000, "100k"), (1_000_000, "1M")];
 /// The fragmented variant adds 1,600 live blocks: 100 holes, where issue 13 asks gpupool to be
 /// no slower than range-alloc (1k has 62).
-const FRAGMENTED_COUNTS: [(usize, &str); 4] =
-    [(1_000, "1k"), (1_600, "1.6k"), (100_000, "100k"), (1_000_000, "1M")];
+const FRAGMENTED_COUNTS: [(usize, &str); 4] = [(1_000, "1k"), (1_600, "1.6k"), (100_000, "100k"), (1_000_000, "1M")];
 /// How many different sizes the timed pairs cycle through.
 const PAIR_SIZES: usize = 256;
 /// In the fragmented variant one block in this many is freed after the live set is built.

@@ -106,6 +106,21 @@ impl Bins {
         self.len -= 1;
     }
 
+    /// Puts block `new` in place of `old`, the first block of `bin`, which leaves the bin as
+    /// removing `old` and inserting `new` would (both must be of the bin's sizes).
+    #[inline(always)]
+    pub fn replace_first(&mut self, blocks: &mut [Block], bin: usize, old: u32, new: u32) {
+        debug_assert_eq!(self.heads[bin], old);
+        let next = blocks[old as usize].bin_next;
+        if next != NIL {
+            blocks[next as usize].bin_prev = new;
+        }
+        blocks[new as usize].bin_prev = NIL;
+        blocks[new as usize].bin_next = next;
+        blocks[old as usize].bin_next = NIL;
+        self.heads[bin] = new;
+    }
+
     /// A free block of at least `size` bytes and at most `max_size`, close to the smallest such.
     #[inline]
     pub fn find(&self, blocks: &[Block], size: u64, max_size: u64) -> Option<u32> {

@@ -165,8 +165,15 @@ impl Heap {
     #[inline(always)]
     pub(super) fn bin_remove(&mut self, id: u32) {
         let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
+        let (bins, blocks) = self.bins_of(owner, kind);
+        bins.remove(blocks, id);
+    }
+
+    /// The bins of an owner that has free blocks, and the block slab (borrowed apart).
+    #[inline(always)]
+    fn bins_of(&mut self, owner: u32, kind: PoolKind) -> (&mut Bins, &mut [Block]) {
         let bins = if owner == SHARED { &mut self.shared } else { &mut self.private[owner as usize] };
-        bins[kind.index()].remove(&mut self.blocks, id);
+        (&mut bins[kind.index()], &mut self.blocks)
     }
 
     #[inline(always)]
@@ -359,13 +366,13 @@ impl Heap {
         } else {
             self.rules.should_split(kind, block.size, rounded)
         };
-        let id = if split {
-            self.carve(id, rounded)
-        } else {
+        if !(split && self.split_in_place(id, rounded)) {
             self.bin_remove(id);
             self.uncount_inactive(id);
-            id
-        };
+            if split {
+                self.split(id, rounded);
+            }
+        }
         let block = &mut self.blocks[id as usize];
         block.state = BlockState::Allocated;
         block.requested = requested;
@@ -410,40 +417,40 @@ impl Heap {
         Some(self.take_block(id, requested, rounded, stream).0)
     }
 
-    /// Cuts the first `size` bytes off free block `id` as a new block, which it returns (not
-    /// binned, state still free). The rest stays where it is in its bin unless its size moved
-    /// it to another bin: most carves then touch no bin list.
+    /// Splits binned free block `id` for an allocation of its first `size` bytes, leaving the
+    /// heap as `bin_remove`, `uncount_inactive` and [`Heap::split`] would, when the tail stays
+    /// in the block's bin and the block is the first of it: the tail then just takes the
+    /// block's place at the front of the list, and no bitmap changes. Returns false, changing
+    /// nothing, otherwise.
     #[inline(always)]
-    fn carve(&mut self, id: u32, size: u64) -> u32 {
+    fn split_in_place(&mut self, id: u32, size: u64) -> bool {
+        let b = &self.blocks[id as usize];
+        let bin = bin_index(b.size);
+        if b.bin_prev != NIL || bin_index(b.size - size) != bin {
+            return false;
+        }
         self.uncount_inactive(id);
         let b = self.blocks[id as usize].clone();
-        let rest = b.size - size;
-        let moves = bin_index(rest) != bin_index(b.size);
-        if moves {
-            self.bin_remove(id);
-        }
-        let head = self.new_block(Block { size, requested: 0, next: id, bin_prev: NIL, bin_next: NIL, ..b });
-        if b.prev != NIL {
-            self.blocks[b.prev as usize].next = head;
-        } else {
-            self.set_segment_head(b.segment, head);
+        let tail = self.new_block(Block {
+            address: b.address + size,
+            size: b.size - size,
+            requested: 0,
+            prev: id,
+            bin_prev: NIL,
+            bin_next: NIL,
+            state: BlockState::Free,
+            ..b
+        });
+        if b.next != NIL {
+            self.blocks[b.next as usize].prev = tail;
         }
         let block = &mut self.blocks[id as usize];
-        block.prev = head;
-        block.address += size;
-        block.size = rest;
-        if moves {
-            self.bin_insert(id);
-        }
-        self.count_inactive(id);
-        head
-    }
-
-    #[inline(always)]
-    fn set_segment_head(&mut self, sid: SegmentId, head: u32) {
-        if let Some(seg) = self.segments[sid as usize].as_mut() {
-            seg.head = head;
-        }
+        block.next = tail;
+        block.size = size;
+        let (bins, blocks) = self.bins_of(b.stream, b.kind);
+        bins.replace_first(blocks, bin, id, tail);
+        self.count_inactive(tail);
+        true
     }
 
     /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.
@@ -567,7 +574,7 @@ impl Heap {
     #[inline(always)]
     pub(super) fn coalesce_and_bin(&mut self, mut id: u32) {
         let owner = self.blocks[id as usize].stream;
-        if self.merge_into_next(id, owner) {
+        if self.merge_next_in_place(id, owner) {
             return;
         }
         // Loops, not ifs: absorbing a shared neighbour can expose another block of this owner
@@ -593,51 +600,46 @@ impl Heap {
         self.count_inactive(id);
     }
 
-    /// The common free: the block's only free neighbour is the next one, which already belongs
-    /// to `owner`. That neighbour grows down over the block and keeps its place in its bin
-    /// unless its size moved it to another bin. Returns false, changing nothing, otherwise.
+    /// The common free: block `id`'s only free neighbour is the next one, which belongs to
+    /// `owner` already, is the first of its bin and stays in that bin when `id` absorbs it. The
+    /// heap then ends as the general path leaves it (`id` absorbs it, and is binned in front),
+    /// but `id` just takes the neighbour's place in the list. Returns false, changing nothing,
+    /// otherwise.
     #[inline(always)]
-    fn merge_into_next(&mut self, id: u32, owner: u32) -> bool {
+    fn merge_next_in_place(&mut self, id: u32, owner: u32) -> bool {
         let b = &self.blocks[id as usize];
-        let (prev, next, size, address, epoch, segment) = (b.prev, b.next, b.size, b.address, b.epoch, b.segment);
+        let (prev, next, size, kind, segment) = (b.prev, b.next, b.size, b.kind, b.segment);
         if next == NIL || (prev != NIL && self.mergeable(owner, prev)) {
             return false;
         }
         let n = &self.blocks[next as usize];
-        if n.state != BlockState::Free || n.stream != owner {
+        let (after, next_size, next_epoch) = (n.next, n.size, n.epoch);
+        let bin = bin_index(next_size);
+        if n.state != BlockState::Free || n.stream != owner || n.bin_prev != NIL || bin_index(next_size + size) != bin {
             return false;
         }
-        let after = n.next;
         if after != NIL && self.mergeable(owner, after) {
             return false;
         }
-        let n = &self.blocks[next as usize];
-        let moves = bin_index(n.size + size) != bin_index(n.size);
         self.uncount_inactive(next);
-        if moves {
-            self.bin_remove(next);
+        let block = &mut self.blocks[id as usize];
+        block.size += next_size;
+        block.next = after;
+        block.epoch = block.epoch.max(next_epoch);
+        if after != NIL {
+            self.blocks[after as usize].prev = id;
         }
-        let n = &mut self.blocks[next as usize];
-        n.address = address;
-        n.size += size;
-        n.prev = prev;
-        n.epoch = n.epoch.max(epoch);
-        if prev != NIL {
-            self.blocks[prev as usize].next = next;
-        } else {
-            self.set_segment_head(segment, next);
-        }
-        self.drop_block(id);
-        if moves {
-            self.bin_insert(next);
-        } else if !self.blocks[next as usize].is_split() {
-            // `bin_insert` would have noted when the segment became one free block.
-            let clock = self.clocks[self.blocks[next as usize].kind.index()];
+        let (bins, blocks) = self.bins_of(owner, kind);
+        bins.replace_first(blocks, bin, next, id);
+        self.drop_block(next);
+        if prev == NIL && after == NIL {
+            // As `bin_insert` notes: the segment is one free block from now on.
+            let clock = self.clocks[kind.index()];
             if let Some(seg) = self.segments[segment as usize].as_mut() {
                 seg.idle_since = clock;
             }
         }
-        self.count_inactive(next);
+        self.count_inactive(id);
         true
     }
 
@@ -802,7 +804,8 @@ mod tests {
     fn a_merged_free_is_not_shared_by_an_earlier_fence() {
         for rules in [Rules::default(), Rules::pytorch()] {
             let mut heap = Heap::new(rules);
-            heap.add_segment(0x1000_0000, 20 * MIB, PoolKind::Large, 1);
+            // 200 and 202 MiB share a bin: the last free merges in place.
+            heap.add_segment(0x1000_0000, 202 * MIB, PoolKind::Large, 1);
             let take = |heap: &mut Heap| {
                 let id = heap.find(2 * MIB, 1).expect("the segment has room");
                 heap.take_block(id, 2 * MIB, 2 * MIB, 1).0

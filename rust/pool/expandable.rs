@@ -68,9 +68,9 @@ const ROOMY_SHARE: f64 = 0.9;
 const MAX_RANGE: u64 = 1 << 50;
 
 /// `size` raised by half the width of its free-list bin (`core::bins`), so that the range's
-/// free space stays in one bin while allocations carve pieces off its front and frees give them
-/// back: the bin lists are then not touched at all (`Heap::carve`). A range sized to a power of
-/// two would sit on a bin's lower edge and change bins on every carve.
+/// free space stays in one bin while allocations split pieces off its front and frees merge
+/// them back: those then change no bitmap (`Heap::split_in_place`). A range sized to a power of
+/// two would sit on a bin's lower edge and change bins on every split.
 fn mid_bin(size: u64) -> u64 {
     let log2 = 63 - size.max(1).leading_zeros();
     size.saturating_add(1u64.checked_shl(log2.saturating_sub(6)).unwrap_or(0))
