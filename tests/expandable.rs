@@ -184,7 +184,7 @@ fn page_size_overrides_both_handle_sizes() {
 #[test]
 fn default_maps_one_handle_per_call_while_the_device_has_room() {
     let mut pool = Pool::new(Sim::new(1 << 40), config("default"));
-    let small = pool.alloc(4096).unwrap();
+    let small = pool.alloc(MIB).unwrap();
     assert_eq!(reserved(&pool), 20 * MIB, "the call reaches 20 MiB ahead");
     let large = pool.alloc(50 * MIB).unwrap();
     let driver = pool.stats().driver;
@@ -193,6 +193,49 @@ fn default_maps_one_handle_per_call_while_the_device_has_room() {
     pool.free(large.handle).unwrap();
     pool.empty_cache().unwrap();
     assert_eq!((reserved(&pool), pool.stats().driver.unmap), (0, 2), "one unmap per handle");
+    pool.check_invariants().unwrap();
+}
+
+/// Blocks of at most an eighth of a page have a range of their own: a tiny tensor allocated
+/// while a large hole is free does not split the hole, which then serves the next large request.
+#[test]
+fn default_keeps_tiny_blocks_out_of_large_holes() {
+    let mut pool = Pool::new(Sim::new(1 << 40), config("default"));
+    let first = pool.alloc(8 * MIB).unwrap();
+    let second = pool.alloc(8 * MIB).unwrap();
+    pool.free(first.handle).unwrap();
+    let tiny = pool.alloc(64 << 10).unwrap();
+    assert!(tiny.address.abs_diff(first.address) > 1 << 30, "the tiny block is in another range");
+    assert_eq!(reserved(&pool), 20 * MIB + 2 * MIB, "its range maps one page");
+    let again = pool.alloc(8 * MIB).unwrap();
+    assert_eq!(again.address, first.address, "the hole stayed whole");
+    assert_eq!(reserved(&pool), 22 * MIB);
+    for a in [second, tiny, again] {
+        pool.free(a.handle).unwrap();
+    }
+    pool.check_invariants().unwrap();
+}
+
+/// A tiny request that would map a page of its own range goes instead to a free piece, smaller
+/// than a page, that live large blocks keep mapped: it costs no page and no driver call.
+#[test]
+fn default_puts_tiny_blocks_in_mapped_pieces_before_mapping() {
+    let mut pool = Pool::new(Sim::new(1 << 40), config("default"));
+    let left = pool.alloc(3 * MIB).unwrap();
+    let piece = pool.alloc(MIB).unwrap();
+    let right = pool.alloc(3 * MIB).unwrap();
+    pool.free(piece.handle).unwrap();
+    let maps = pool.stats().driver.map;
+    let tiny = pool.alloc(64 << 10).unwrap();
+    assert_eq!(tiny.address, piece.address, "the piece between two live blocks");
+    assert_eq!((reserved(&pool), pool.stats().driver.map), (20 * MIB, maps));
+    // The piece is used up by fours; the fifth maps its range's first page.
+    let more: Vec<_> = (0..4).map(|_| pool.alloc(256 << 10).unwrap()).collect();
+    assert!(more[..3].iter().all(|a| a.address.abs_diff(piece.address) < MIB));
+    assert_eq!((reserved(&pool), pool.stats().driver.map), (22 * MIB, maps + 1));
+    for a in more.into_iter().chain([left, right, tiny]) {
+        pool.free(a.handle).unwrap();
+    }
     pool.check_invariants().unwrap();
 }
 

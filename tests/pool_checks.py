@@ -29,6 +29,10 @@ class SizeRules:
     fixed_segments: bool
     # Expandable strategies map pages of this size instead of allocating segments.
     page_size: int = 0
+    # Rounded requests up to this size are small.
+    small_max: int = MiB
+    # A small request may also go to a large segment (the default: a free piece on mapped pages).
+    small_in_large: bool = False
 
 
 RULES = {
@@ -40,7 +44,8 @@ RULES = {
     # PyTorch's handles: 20 MiB in the large pool (pool.config's page_size_mb), 2 MiB small.
     "expandable": SizeRules(512, small_pool=True, fixed_segments=False, page_size=20 * MiB),
     "pages": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB),
-    "default": SizeRules(512, small_pool=False, fixed_segments=False, page_size=2 * MiB),
+    # Blocks of at most an eighth of a page are small.
+    "default": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB, small_in_large=True),
 }
 
 
@@ -48,7 +53,9 @@ def rules_of(pool) -> SizeRules:
     config = pool.config
     rules = RULES[config["strategy"]]
     if rules.page_size:
-        return SizeRules(rules.granule, rules.small_pool, False, config["page_size_mb"] * MiB)
+        page_size = config["page_size_mb"] * MiB
+        small_max = page_size // 8 if rules.small_in_large else MiB
+        return SizeRules(rules.granule, rules.small_pool, False, page_size, small_max, rules.small_in_large)
     return rules
 
 
@@ -89,8 +96,8 @@ def rounded(size: int, granule: int = 512) -> int:
     return max(granule, -(-size // granule) * granule)
 
 
-def is_small(size: int) -> bool:
-    return rounded(size) <= MiB
+def is_small(size: int, small_max: int = MiB) -> bool:
+    return rounded(size) <= small_max
 
 
 def growth_bound(rules: SizeRules, size: int) -> int:
@@ -230,8 +237,9 @@ def _check_live(rules: SizeRules, segments: list[dict], live: list) -> None:
         assert segment["address"] <= ptr.ptr
         end = ptr.ptr + rounded(ptr.size, rules.granule)
         assert end <= segment["address"] + segment["total_size"]
-        small = rules.small_pool and is_small(ptr.size)
-        assert segment["segment_type"] == ("small" if small else "large")
+        small = rules.small_pool and is_small(ptr.size, rules.small_max)
+        allowed = ("small", "large") if small and rules.small_in_large else ("small" if small else "large",)
+        assert segment["segment_type"] in allowed
     by_address = sorted(live, key=lambda p: p.ptr)
     for first, second in zip(by_address, by_address[1:], strict=False):
         end = first.ptr + rounded(first.size, rules.granule)

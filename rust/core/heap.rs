@@ -335,6 +335,13 @@ impl Heap {
         bins.find(&self.blocks, rounded, self.rules.max_block_for(rounded))
     }
 
+    /// [`Heap::find`] among the free blocks of pool `kind`, whichever kind the rules give
+    /// `rounded`: a paged pool may place a small request in a large range.
+    pub fn find_in(&self, kind: PoolKind, rounded: u64, owner: u32) -> Option<u32> {
+        let bins = &self.bins(owner)?[kind.index()];
+        bins.find(&self.blocks, rounded, self.rules.max_block_for(rounded))
+    }
+
     /// A cached block owned by a stream other than `stream` (nor shared) that fits, with its
     /// owner: the candidates for reuse after making `stream` wait on the owner.
     pub fn find_foreign(&self, rounded: u64, stream: u32) -> Option<(u32, u32)> {

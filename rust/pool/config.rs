@@ -97,9 +97,9 @@ pub enum Strategy {
     Pages,
     /// No pooling: every allocation is a segment of its own, released on free.
     Direct,
-    /// gpupool's own choice: one address range for all sizes, mapped in pages that are kept and
-    /// reused, one physical allocation per map call while the device has room to spare (see
-    /// BENCHMARKS.md for the measurements behind it).
+    /// gpupool's own choice: one address range for all but tiny sizes, mapped in pages that are
+    /// kept and reused, one physical allocation per map call while the device has room to spare
+    /// (see BENCHMARKS.md for the measurements behind it).
     #[default]
     Default,
 }
@@ -160,7 +160,9 @@ pub enum PagingMode {
     /// and each costs driver calls: `cuMemCreate`, `cuMemMap`, `cuMemRelease`, one `cuMemUnmap`),
     /// by one per page near the limit, so that pressure can give back exactly the free pages.
     /// And once the device refused and free pages were unmapped, a block goes where it needs the
-    /// fewest new pages first.
+    /// fewest new pages first. With the default's rules the small range holds only tiny blocks,
+    /// and a tiny request takes a free piece of the large range on mapped pages, if one holds
+    /// it, before the small range maps a page.
     Pager,
 }
 

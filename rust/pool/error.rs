@@ -101,11 +101,12 @@ impl OomReport {
             advice.push("The device has room: raise per_process_memory_fraction.".to_string());
         }
         if self.reserved_unallocated() >= self.requested && self.strategy != "default" {
-            // The default pager maps pages on demand in one address range for every size and
-            // gives whole free handles back under pressure: the fragmentation measured here is
-            // what it avoids (PyTorch's expandable segments keep partly used 20 MiB handles).
-            let mut text = "Try GPUPOOL_ALLOC_CONF=strategy:default (one address range for every size, pages mapped \
-                            on demand and given back as they empty, so free holes coalesce and cost no memory)"
+            // The default pager maps pages on demand in one address range for all but tiny sizes
+            // and gives whole free handles back under pressure: the fragmentation measured here
+            // is what it avoids (PyTorch's expandable segments keep partly used 20 MiB handles).
+            let mut text = "Try GPUPOOL_ALLOC_CONF=strategy:default (one address range for all but tiny sizes, \
+                            pages mapped on demand and given back as they empty, so free holes coalesce and cost \
+                            no memory)"
                 .to_string();
             // Blocks at least max_split_size stay whole for requests at least that big.
             if self.max_split_size.is_none() && self.requested >= 20 * MIB {

@@ -13,12 +13,26 @@
 //! pages, a map call reaching ahead, placement by fewest new pages under pressure) and gpupool's
 //! pager (`default`): the same, but one handle for a whole map call while the device has room to
 //! spare, so that a growing job makes few driver calls and a job near the device's limit can
-//! still give back any free page.
+//! still give back any free page. Its small range holds only tiny blocks (at most an eighth of
+//! a page), and one of those goes to a free piece of the large range, on pages live neighbours
+//! keep mapped, before its own range maps a page.
 
 use super::page_map::PageMap;
 use super::{Paging, PagingMode};
 use crate::core::{BlockInfo, BlockState, Heap, Metric, PoolKind, SegmentId, SegmentInfo, StatType, SHARED};
 use crate::device::{Device, DeviceError};
+
+/// What [`Expandable::ensure_mapped`] did for a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// Its pages were mapped already.
+    Ready,
+    /// The device mapped what was missing.
+    Mapped,
+    /// Nothing: the request goes to this free piece of a large range instead, whose pages are
+    /// mapped (gpupool's pager, for a small request that would map a page of the small range).
+    Piece(u32),
+}
 
 /// One reserved range and its page map.
 #[derive(Debug)]
@@ -156,11 +170,12 @@ impl Expandable {
         range.pages.all_mapped(range.pages_under(address, len))
     }
 
-    /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet; says
-    /// whether it had to (the device was called). When
+    /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet. When
     /// the last page needs mapping, the call maps ahead up to the range's `map_ahead` into the free
     /// space that follows (up to `free_end`), so growing allocations cost few map calls; if the
-    /// device refuses that much, exactly what is needed is mapped.
+    /// device refuses that much, exactly what is needed is mapped. gpupool's pager maps no page
+    /// of a small range while a free piece of a large one on mapped pages holds the request
+    /// (see [`Expandable::mapped_piece`]).
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub fn ensure_mapped<D: Device>(
@@ -171,21 +186,23 @@ impl Expandable {
         address: u64,
         len: u64,
         free_end: u64,
+        stream: u32,
         limit: Option<u64>,
-    ) -> Result<bool, DeviceError> {
-        let Some(index) = self.ranges.iter().position(|r| r.segment == segment) else { return Ok(false) };
+    ) -> Result<Backing, DeviceError> {
+        let Some(index) = self.ranges.iter().position(|r| r.segment == segment) else { return Ok(Backing::Ready) };
         let range = &self.ranges[index];
         let pages = range.pages_under(address, len);
         // The common case, a block on pages already mapped: no call and no allocation.
         if range.pages.all_mapped(pages.clone()) {
-            return Ok(false);
+            return Ok(Backing::Ready);
         }
-        self.map_missing(device, heap, index, pages, free_end, limit)?;
-        Ok(true)
+        self.map_missing(device, heap, index, pages, len, free_end, stream, limit)
     }
 
-    /// [`Expandable::ensure_mapped`]'s slow path: maps the unmapped runs of `pages` in range
+    /// [`Expandable::ensure_mapped`]'s slow path: for a small request of gpupool's pager, a
+    /// piece of a large range on mapped pages; else maps the unmapped runs of `pages` in range
     /// `index`, mapping ahead after the last one.
+    #[allow(clippy::too_many_arguments)]
     #[cold]
     fn map_missing<D: Device>(
         &mut self,
@@ -193,9 +210,16 @@ impl Expandable {
         heap: &mut Heap,
         index: usize,
         pages: std::ops::Range<u64>,
+        len: u64,
         free_end: u64,
+        stream: u32,
         limit: Option<u64>,
-    ) -> Result<(), DeviceError> {
+    ) -> Result<Backing, DeviceError> {
+        if self.paging.mode == PagingMode::Pager && self.ranges[index].kind == PoolKind::Small {
+            if let Some(piece) = self.mapped_piece(heap, len, stream) {
+                return Ok(Backing::Piece(piece));
+            }
+        }
         let big_handles = self.paging.mode == PagingMode::Pager;
         let range = &mut self.ranges[index];
         let page_size = range.page_size;
@@ -220,7 +244,21 @@ impl Expandable {
                 calls.push((true, address, size));
             }
         }
-        Ok(())
+        Ok(Backing::Mapped)
+    }
+
+    /// A free piece of a large range, smaller than a page and on mapped pages, that holds
+    /// `rounded` bytes for `stream`: the best fit among the stream's own free blocks, else
+    /// among shared ones, if it is such a piece. Pieces like that lie between live blocks, on
+    /// the pages they share, and a small block placed there costs no page.
+    fn mapped_piece(&self, heap: &Heap, rounded: u64, stream: u32) -> Option<u32> {
+        [stream, SHARED].into_iter().find_map(|owner| {
+            let id = heap.find_in(PoolKind::Large, rounded, owner)?;
+            let b = heap.block_at(id);
+            let range = self.ranges.iter().find(|r| r.segment == b.segment)?;
+            let piece = b.size < range.page_size && range.pages.all_mapped(range.pages_under(b.address, rounded));
+            piece.then_some(id)
+        })
     }
 
     /// Maps unmapped `run` of `range` in one device call, backed by one handle per page, or by

@@ -25,7 +25,7 @@ pub use history::{History, HistoryAction, HistoryEntry};
 use crate::core::{BlockState, Handle, Heap, Metric, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, SHARED};
 use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
-use expandable::Expandable;
+use expandable::{Backing, Expandable};
 use growth::Growth;
 
 pub use crate::device::DEFAULT_STREAM;
@@ -204,21 +204,31 @@ impl<D: Device> Pool<D> {
         if let Some(pages) = self.expandable.as_mut() {
             let (block, segment) = (self.heap.block_at(id), self.heap.segment_of(id));
             let (address, free_end) = (block.address, block.end());
-            let mapped = pages.ensure_mapped(
+            let backing = pages.ensure_mapped(
                 &mut self.device,
                 &mut self.heap,
                 segment,
                 address,
                 rounded,
                 free_end,
+                stream,
                 self.growth.limit,
             )?;
-            if mapped {
-                self.note_page_calls(stream);
+            match backing {
+                Backing::Ready => {}
+                Backing::Mapped => self.note_page_calls(stream),
+                Backing::Piece(piece) => return Ok(self.take_piece(piece, size, rounded, stream)),
             }
         }
         let (handle, address) = self.heap.take_block(id, size, rounded, stream);
         Ok(self.allocation(handle, address, size, stream))
+    }
+
+    /// Allocates free block `piece`, whose pages are mapped, instead of the block found.
+    #[cold]
+    fn take_piece(&mut self, piece: u32, size: u64, rounded: u64, stream: StreamId) -> Allocation {
+        let (handle, address) = self.heap.take_block(piece, size, rounded, stream);
+        self.allocation(handle, address, size, stream)
     }
 
     /// Orders `stream`'s later work after everything queued on `owner` so far.

@@ -18,6 +18,8 @@ const KNOWN_KEYS: &str = "strategy, backend, max_split_size_mb, max_non_split_ro
 const MAX_MB: u64 = 1 << 40;
 /// PyTorch's expandable segments map the large pool in handles of `kLargeBuffer`.
 const HANDLE_LARGE_MB: u64 = 20;
+/// The default's small blocks are those a page holds at least this many of (256 KiB in 2 MiB).
+const TINY_PER_PAGE: u64 = 8;
 
 /// PyTorch's keys that shape nothing gpupool simulates: its pinned host-memory allocator, CUDA
 /// graph capture, the lock it drops around `cudaMalloc`, the virtual address space reserved
@@ -182,8 +184,8 @@ impl Keys {
         let initial_mb = self.initial_pool_size_mb.unwrap_or(default_initial);
         let mut rules = match strategy {
             Strategy::Pytorch | Strategy::Expandable | Strategy::Pages => Rules::pytorch(),
-            // One address range for every size: small blocks fill the edge pages of large ones.
-            Strategy::Default => Rules { small_pool: false, ..Rules::pytorch() },
+            // Tiny blocks get a range of their own (`small_max` is set below, from the page).
+            Strategy::Default => Rules { small_pool: true, ..Rules::pytorch() },
             Strategy::Bfc => Rules::bfc(),
             Strategy::Arena => Rules::arena((if initial_mb > 0 { initial_mb } else { DEFAULT_ARENA_MB }) * MIB),
             Strategy::Eager => Rules::eager(),
@@ -209,6 +211,12 @@ impl Keys {
             Strategy::Default => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pager }),
             _ => None,
         };
+        if strategy == Strategy::Default {
+            // A page holds many blocks of at most an eighth of it: apart from the large blocks
+            // they pin few pages, and split no hole a large request could reuse. Larger blocks
+            // share the large range, where they fill the edge pages of large ones.
+            rules.small_max = page(DEFAULT_PAGE_MB) / TINY_PER_PAGE;
+        }
         Ok(Config {
             strategy,
             rules,
@@ -388,6 +396,9 @@ mod tests {
         assert_eq!(parse("pytorch").rules, Rules::pytorch());
         let pager = Paging { page: [2 * MIB; 2], mode: PagingMode::Pager };
         assert_eq!(parse("default").paging, Some(pager));
+        // The default's small blocks: at most an eighth of a page.
+        assert_eq!(parse("default").rules, Rules { small_max: 256 << 10, ..Rules::pytorch() });
+        assert_eq!(Config::parse("page_size_mb:4").unwrap().rules.small_max, 512 << 10);
         assert_eq!(parse("bfc").rules, Rules::bfc());
         let arena = parse("arena");
         assert_eq!((arena.initial_pool_size, arena.rules.growth_unit), (1024 * MIB, 1024 * MIB));
