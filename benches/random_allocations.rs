@@ -5,16 +5,10 @@
 mod common;
 
 use common::{
-    bench_warm_replay, criterion_config, random_allocations, GpuPool, GpuPoolPytorch, OffsetAlloc, RangeAlloc, MIB,
+    bench_warm_replay, criterion_config, random_allocations, GpuPool, GpuPoolPytorch, OffsetAlloc, RangeAlloc, COUNTS,
+    MAX_SIZES_MIB, MAX_USAGE, MIB, RANDOM_SEED,
 };
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
-
-/// RMM's values of `n`; of its maximum sizes (1 to 4096 MiB) the small, middle and large ones.
-const COUNTS: [usize; 3] = [1_000, 10_000, 100_000];
-const MAX_SIZES_MIB: [u64; 3] = [1, 64, 1024];
-/// RMM's cap on live bytes.
-const MAX_USAGE: u64 = 16_000 * MIB;
-const SEED: u64 = 0x5eed_0003;
 
 fn random_allocations_bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("random_allocations");
@@ -23,7 +17,7 @@ fn random_allocations_bench(c: &mut Criterion) {
     group.sampling_mode(SamplingMode::Flat).sample_size(10);
     for n in COUNTS {
         for max_mib in MAX_SIZES_MIB {
-            let program = random_allocations(n, max_mib * MIB, MAX_USAGE, SEED);
+            let program = random_allocations(n, max_mib * MIB, MAX_USAGE, RANDOM_SEED);
             group.throughput(Throughput::Elements(program.ops.len() as u64));
             let label = format!("n={n},max={max_mib}MiB");
             bench_warm_replay::<GpuPool>(&mut group, &label, &program);

@@ -109,6 +109,13 @@ impl Program {
     }
 }
 
+/// `random_allocations`' parameters: RMM's values of `n`; of its maximum sizes (1 to 4096 MiB)
+/// the small, middle and large ones; RMM's cap on live bytes; the programs' seed.
+pub const COUNTS: [usize; 3] = [1_000, 10_000, 100_000];
+pub const MAX_SIZES_MIB: [u64; 3] = [1, 64, 1024];
+pub const MAX_USAGE: u64 = 16_000 * MIB;
+pub const RANDOM_SEED: u64 = 0x5eed_0003;
+
 /// RMM's random_allocations: `2n` steps; a step allocates (size uniform in `[1, max_size]`) with
 /// probability 73% while fewer than `n` allocations were made and the live bytes stay under
 /// `max_usage`, and otherwise frees a uniformly chosen live allocation. Whatever is still live
