@@ -122,7 +122,7 @@ impl Bins {
     }
 
     /// A free block of at least `size` bytes and at most `max_size`, close to the smallest such.
-    #[inline]
+    #[inline(always)]
     pub fn find(&self, blocks: &[Block], size: u64, max_size: u64) -> Option<u32> {
         let own = bin_index(size);
         if let Some(id) = self.best_in_bin(blocks, own, size) {
@@ -134,7 +134,7 @@ impl Bins {
     }
 
     /// The first non-empty bin at index `from` or above.
-    #[inline]
+    #[inline(always)]
     fn next_non_empty_bin(&self, from: usize) -> Option<usize> {
         if from >= BIN_COUNT {
             return None;
@@ -152,7 +152,7 @@ impl Bins {
         Some(fl * SL_COUNT + self.sl_bitmap[fl].trailing_zeros() as usize)
     }
 
-    #[inline]
+    #[inline(always)]
     fn best_in_bin(&self, blocks: &[Block], bin: usize, size: u64) -> Option<u32> {
         let mut best: Option<(u64, u32)> = None;
         let mut id = self.heads[bin];

@@ -164,7 +164,7 @@ impl Expandable {
 
     /// Whether `[address, address + len)` in `segment` lies on mapped pages (plain segments are
     /// not ranges: always).
-    #[inline]
+    #[inline(always)]
     pub fn is_backed(&self, segment: SegmentId, address: u64, len: u64) -> bool {
         let Some(range) = self.ranges.iter().find(|r| r.segment == segment) else { return true };
         range.pages.all_mapped(range.pages_under(address, len))

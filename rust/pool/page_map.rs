@@ -46,7 +46,7 @@ impl PageMap {
     }
 
     /// Whether every page in `pages` is mapped, a 64-page word at a time.
-    #[inline]
+    #[inline(always)]
     pub fn all_mapped(&self, pages: Range<u64>) -> bool {
         // Most blocks lie within one word's 64 pages: one mask test.
         if pages.start < pages.end && pages.start / 64 == (pages.end - 1) / 64 {
