@@ -239,6 +239,31 @@ fn default_puts_tiny_blocks_in_mapped_pieces_before_mapping() {
     pool.check_invariants().unwrap();
 }
 
+/// Under pressure the default may place a block at a hole's back: there it shares the page the
+/// live block after the hole holds, where at the hole's front (or the free tail) it would need a
+/// page the device no longer has.
+#[test]
+fn default_retries_at_a_holes_back_when_that_needs_fewer_pages() {
+    // 14 MiB: no map call leaves nine tenths free, so each page is its own handle.
+    let mut pool = Pool::new(Sim::new(14 * MIB), config("default"));
+    let sizes = [3 * MIB, 9 * MIB / 2, 5 * MIB / 2];
+    let blocks: Vec<_> = sizes.iter().map(|&size| pool.alloc(size).unwrap()).collect();
+    let base = blocks[0].address;
+    pool.free(blocks[1].handle).unwrap();
+    pool.empty_cache().unwrap();
+    // The hole is [3, 7.5) MiB: its page [4, 6) went back. 6 MiB more fill the device from the
+    // tail at 10 MiB, a page boundary.
+    assert_eq!(reserved(&pool), 8 * MIB);
+    let tail = pool.alloc(6 * MIB).unwrap();
+    assert_eq!((tail.address - base, reserved(&pool)), (10 * MIB, 14 * MIB));
+    // 1.5 MiB at the hole's front, or at the tail, needs a new page; at [6, 7.5) it needs none.
+    let placed = pool.alloc(3 * MIB / 2).unwrap();
+    assert_eq!(placed.address - base, 6 * MIB);
+    let stats = pool.stats();
+    assert_eq!((stats.num_alloc_retries, stats.num_ooms), (1, 0));
+    pool.check_invariants().unwrap();
+}
+
 /// Past a tenth of the device, each page is its own handle again, so that pressure can give
 /// back exactly the free pages.
 #[test]
