@@ -6,7 +6,7 @@
 
 use gpupool::core::{Metric, StatType};
 use gpupool::device::{Device, Host, Sim};
-use gpupool::pool::{Allocation, Config, Pool, PoolError};
+use gpupool::pool::{Allocation, Config, Pool, PoolError, DEFAULT_STREAM};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -292,28 +292,62 @@ fn default_keeps_a_partly_used_handle_mapped() {
     assert_eq!((reserved(&pool), pool.stats().driver.unmap), (0, 1));
 }
 
-/// After the device refused and free pages were unmapped, the default places the block where it
-/// needs the fewest new pages (a hole whose edge pages live neighbours keep mapped), not by best
-/// fit: the page that saves serves the next request.
+/// When the device refuses a map and no free page is left to give back, the default waits for
+/// the streams, unmaps what they freed and places the block where it needs the fewest new pages
+/// (a hole whose edge pages live neighbours keep mapped), not by best fit.
 #[test]
 fn default_retries_where_fewest_pages_are_new() {
     let mut pool = Pool::new(Sim::new(20 * MIB), config("default"));
     let sizes = [MIB, 9 * MIB / 2, MIB / 2, 2 * MIB, 4 * MIB, 2 * MIB, 2 * MIB, 2 * MIB];
     let blocks: Vec<_> = sizes.iter().map(|&size| pool.alloc(size).unwrap()).collect();
-    let (hole_over_mapped_edges, exact_hole, late_hole) = (&blocks[1], &blocks[4], &blocks[6]);
+    let (hole_over_mapped_edges, exact_hole) = (&blocks[1], &blocks[4]);
     let addresses: Vec<u64> = blocks.iter().map(|b| b.address - blocks[0].address).collect();
     assert_eq!(addresses, [0, MIB, 11 * MIB / 2, 6 * MIB, 8 * MIB, 12 * MIB, 14 * MIB, 16 * MIB]);
     pool.free(hole_over_mapped_edges.handle).unwrap();
     pool.free(exact_hole.handle).unwrap();
     pool.empty_cache().unwrap();
     pool.alloc(5 * MIB).unwrap();
-    pool.free(late_hole.handle).unwrap();
-    assert_eq!(reserved(&pool), 18 * MIB, "one page left, the late hole's still mapped");
-    // Best fit is the exact 4 MiB hole: two new pages, refused; the retry, after the late hole's
-    // page went back, takes [1, 5) MiB, whose first and last pages b0 and b2 keep mapped.
+    assert_eq!(reserved(&pool), 18 * MIB, "one page left");
+    // Best fit is the exact 4 MiB hole: two new pages, refused; the retry takes [1, 5) MiB,
+    // whose first and last pages b0 and b2 keep mapped.
     let placed = pool.alloc(4 * MIB).unwrap();
     assert_eq!((placed.address - blocks[0].address, pool.stats().num_alloc_retries), (MIB, 1));
-    pool.alloc(2 * MIB).unwrap();
-    assert_eq!(pool.stats().num_ooms, 0, "a best fit would have spent the page this needs");
+    assert_eq!((reserved(&pool), pool.stats().num_ooms), (20 * MIB, 0));
+    pool.check_invariants().unwrap();
+}
+
+/// When the device refuses a map, the default first gives back free pages elsewhere that no
+/// queued work uses and maps again: the block keeps its best-fit place, no stream is waited
+/// for and no retry is counted.
+#[test]
+fn default_gives_back_idle_free_pages_when_the_device_refuses() {
+    // 16 MiB: no map call leaves nine tenths free, so each page is its own handle.
+    let mut pool = Pool::new(Sim::new(16 * MIB), config("default"));
+    let blocks: Vec<_> = (0..3).map(|_| pool.alloc(4 * MIB).unwrap()).collect();
+    let base = blocks[0].address;
+    pool.free(blocks[0].handle).unwrap();
+    assert_eq!(reserved(&pool), 12 * MIB, "a free block keeps its pages");
+    // 8 MiB fit only at the tail, whose 4 new pages the device has no room for until the
+    // freed block's two go back.
+    let tail = pool.alloc(8 * MIB).unwrap();
+    let stats = pool.stats();
+    assert_eq!(tail.address - base, 12 * MIB);
+    assert_eq!((stats.num_alloc_retries, stats.num_ooms, stats.driver.unmap), (0, 0, 2));
+    assert_eq!(reserved(&pool), 16 * MIB);
+    pool.check_invariants().unwrap();
+}
+
+/// Pages a busy stream freed may still be in use by its queued work: they are not given back
+/// without waiting, so the out-of-memory path (which synchronizes first) frees them instead.
+#[test]
+fn default_gives_back_no_page_a_busy_stream_freed_without_waiting() {
+    let mut pool = Pool::new(Sim::new(16 * MIB), config("default"));
+    let blocks: Vec<_> = (0..3).map(|_| pool.alloc(4 * MIB).unwrap()).collect();
+    pool.device_mut().hold_stream(DEFAULT_STREAM).unwrap();
+    pool.free(blocks[0].handle).unwrap();
+    let tail = pool.alloc(8 * MIB).unwrap();
+    let stats = pool.stats();
+    assert_eq!(tail.address - blocks[0].address, 12 * MIB);
+    assert_eq!((stats.num_alloc_retries, stats.num_ooms, stats.driver.unmap), (1, 0, 2));
     pool.check_invariants().unwrap();
 }

@@ -159,8 +159,9 @@ pub enum PagingMode {
     /// one handle while the device has plenty of room (a handle goes back whole or not at all,
     /// and each costs driver calls: `cuMemCreate`, `cuMemMap`, `cuMemRelease`, one `cuMemUnmap`),
     /// by one per page near the limit, so that pressure can give back exactly the free pages.
-    /// And once the device refused and free pages were unmapped, a block goes where it needs the
-    /// fewest new pages first. With the default's rules the small range holds only tiny blocks,
+    /// And when the device refuses a map, free pages elsewhere that no queued work uses go back
+    /// and the block keeps its place; if there are none, once the streams were waited for and
+    /// free pages unmapped, a block goes where it needs the fewest new pages first. With the default's rules the small range holds only tiny blocks,
     /// and a tiny request takes a free piece of the large range on mapped pages, if one holds
     /// it, before the small range maps a page.
     Pager,

@@ -15,8 +15,11 @@
 //! spare, so that a growing job makes few driver calls and a job near the device's limit can
 //! still give back any free page. Its small range holds only tiny blocks (at most an eighth of
 //! a page), and one of those goes to a free piece of the large range, on pages live neighbours
-//! keep mapped, before its own range maps a page. Under pressure it may place a block at a
-//! hole's back, on the page the live block after the hole holds.
+//! keep mapped, before its own range maps a page. When the device refuses a map, it gives
+//! back free pages elsewhere that no queued work uses and maps again, so the block keeps its
+//! best-fit place and no stream is waited for; only if none are free does the out-of-memory
+//! path run, where it may place a block at a hole's back, on the page the live block after the
+//! hole holds.
 
 use super::page_map::PageMap;
 use super::{Paging, PagingMode};
@@ -211,7 +214,8 @@ impl Expandable {
 
     /// [`Expandable::ensure_mapped`]'s slow path: for a small request of gpupool's pager, a
     /// piece of a large range on mapped pages; else maps the unmapped runs of `pages` in range
-    /// `index`, mapping ahead after the last one.
+    /// `index`, mapping ahead after the last one. When the device refuses, gpupool's pager first
+    /// gives back free pages elsewhere and maps again.
     #[allow(clippy::too_many_arguments)]
     #[cold]
     fn map_missing<D: Device>(
@@ -230,6 +234,35 @@ impl Expandable {
                 return Ok(Backing::Piece(piece));
             }
         }
+        let refused = match self.map_pages(device, heap, index, pages.clone(), free_end, limit) {
+            Err(DeviceError::OutOfMemory { requested }) if self.paging.mode == PagingMode::Pager => requested,
+            other => return other.map(|()| Backing::Mapped),
+        };
+        // The device is full. Free pages elsewhere that no queued work uses go back, as many as
+        // this map needs and one map-ahead more (so the next one need not ask again), and the
+        // block keeps its best-fit place. Only if that frees nothing does the out-of-memory path
+        // wait for every stream and place the block anew.
+        let range = &self.ranges[index];
+        let new_pages: u64 = range.pages.runs(pages.clone(), false).iter().map(|run| run.end - run.start).sum();
+        let want = new_pages * range.page_size + range.map_ahead;
+        let keep = (index, pages.start..((free_end - range.base) / range.page_size).max(pages.end));
+        if self.unmap_handles(device, heap, false, want, Some(keep))? == 0 {
+            return Err(DeviceError::OutOfMemory { requested: refused });
+        }
+        self.map_pages(device, heap, index, pages, free_end, limit)?;
+        Ok(Backing::Mapped)
+    }
+
+    /// Maps the unmapped runs of `pages` in range `index`, mapping ahead after the last one.
+    fn map_pages<D: Device>(
+        &mut self,
+        device: &mut D,
+        heap: &mut Heap,
+        index: usize,
+        pages: std::ops::Range<u64>,
+        free_end: u64,
+        limit: Option<u64>,
+    ) -> Result<(), DeviceError> {
         let big_handles = self.paging.mode == PagingMode::Pager;
         let range = &mut self.ranges[index];
         let page_size = range.page_size;
@@ -254,7 +287,7 @@ impl Expandable {
                 calls.push((true, address, size));
             }
         }
-        Ok(Backing::Mapped)
+        Ok(())
     }
 
     /// A free piece of a large range, smaller than a page and on mapped pages, that holds
@@ -318,13 +351,27 @@ impl Expandable {
         heap: &mut Heap,
         wait: bool,
     ) -> Result<u64, DeviceError> {
-        let mut released = 0;
-        for range in &mut self.ranges {
+        self.unmap_handles(device, heap, wait, u64::MAX, None)
+    }
+
+    /// Unmaps handles that lie wholly inside free space, in address order, except those that
+    /// overlap `keep` (a range's index and pages), until at least `want` bytes went back;
+    /// returns the bytes freed. See [`Expandable::unmap_free_pages`] for `wait`.
+    fn unmap_handles<D: Device>(
+        &mut self,
+        device: &mut D,
+        heap: &mut Heap,
+        wait: bool,
+        want: u64,
+        keep: Option<(usize, std::ops::Range<u64>)>,
+    ) -> Result<u64, DeviceError> {
+        let mut handles: Vec<(usize, std::ops::Range<u64>)> = Vec::new();
+        let mut idle: Vec<(u32, bool)> = Vec::new();
+        for (index, range) in self.ranges.iter().enumerate() {
             let page_size = range.page_size;
             // Adjacent free blocks of different owners still free the pages they share. A block
             // its stream freed while busy may still be in use by queued work: it stays mapped.
             let mut free: Vec<(u64, u64)> = Vec::new();
-            let mut idle: Vec<(u32, bool)> = Vec::new();
             let candidates: Vec<(u64, u64, u32)> =
                 heap.free_blocks(range.segment).map(|(_, b)| (b.address, b.size, b.stream)).collect();
             for (address, size, owner) in candidates {
@@ -342,22 +389,34 @@ impl Expandable {
                 if first >= end {
                     continue;
                 }
-                // One handle per call (on CUDA, one mapping each), so a failure leaves every
-                // handle before it unmapped and recorded as such, and the rest mapped.
                 for handle in range.pages.handles_within(first..end) {
-                    let (address, size) = range.extent(&handle);
-                    device.unmap(address, size)?;
-                    if let Some(calls) = self.calls.as_mut() {
-                        calls.push((false, address, size));
+                    let kept =
+                        keep.as_ref().is_some_and(|(i, k)| *i == index && handle.start < k.end && k.start < handle.end);
+                    if !kept {
+                        handles.push((index, handle));
                     }
-                    let runs = range.pages.touches_mapped(&handle) - 1;
-                    range.pages.unmap(handle);
-                    heap.note_mapped(range.segment, size, false, runs);
-                    heap.stats_mut().num_device_unmap += 1;
-                    heap.stats_mut().driver.unmap += 1;
-                    released += size;
                 }
             }
+        }
+        let mut released = 0;
+        // One handle per call (on CUDA, one mapping each), so a failure leaves every handle
+        // before it unmapped and recorded as such, and the rest mapped.
+        for (index, handle) in handles {
+            if released >= want {
+                break;
+            }
+            let range = &mut self.ranges[index];
+            let (address, size) = range.extent(&handle);
+            device.unmap(address, size)?;
+            if let Some(calls) = self.calls.as_mut() {
+                calls.push((false, address, size));
+            }
+            let runs = range.pages.touches_mapped(&handle) - 1;
+            range.pages.unmap(handle);
+            heap.note_mapped(range.segment, size, false, runs);
+            heap.stats_mut().num_device_unmap += 1;
+            heap.stats_mut().driver.unmap += 1;
+            released += size;
         }
         Ok(released)
     }
