@@ -4,7 +4,7 @@ Usage: python benches/goals_table.py FILE ...   (RMM CSVs, PyTorch snapshot pick
 
 Prints one Markdown row per file and strategy with what `gpupool replay --min-capacity` reports
 (the same replays: peak reserved on an unlimited `sim` device, the smallest capacity without an
-OOM bisected to 0.5%, peak live divided by it, and the driver calls of the unlimited replay), and
+OOM bisected to 0.02%, peak live divided by it, and the driver calls of the unlimited replay), and
 on the default's row whether each goal holds, naming the part that does not:
 - goal 1: utilization at min capacity at least `pages`' and at least 98.5%, and peak reserved at
   most 1.01x the min capacity plus 20 MiB;

@@ -13,6 +13,7 @@ import random
 import pytest
 
 import gpupool
+from gpupool import _native
 from gpupool import trace as gtrace
 from pool_checks import BLOCK_KEYS, SEGMENT_KEYS, MiB
 
@@ -359,6 +360,19 @@ def test_min_capacity_fits_and_sim_agrees_with_host(name):
         figures = ("peak_live_bytes", "peak_reserved_bytes", "device_allocs", "ooms")
         assert [getattr(on_host, f) for f in figures] == [getattr(on_sim, f) for f in figures]
         assert on_host.timeline == on_sim.timeline
+
+
+def test_min_capacity_is_bisected_to_a_fiftieth_of_a_percent():
+    # Both searches halve the same interval; the finer one goes on from where the 0.5% one
+    # stops, to a capacity that fits and lies above one that failed, within 0.5% of it.
+    trace = gtrace.load(shared_trace("resnet50_train.csv.gz"))
+    fine = gpupool.replay(trace, "strategy:default", min_capacity=True).min_capacity_bytes
+    coarse = _native.replay(trace._native, "strategy:default", None, True, "sim", 0.005).min_capacity_bytes
+    assert coarse * (1 - 0.005) <= fine < coarse
+    assert gpupool.replay(trace, "strategy:default", capacity=fine).ooms == 0
+    for bad in (0.0, 1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="tolerance"):
+            _native.replay(trace._native, None, None, True, "sim", bad)
 
 
 def test_timeline_covers_the_trace_and_keeps_the_peaks():

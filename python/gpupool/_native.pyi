@@ -239,7 +239,7 @@ class ReplayResult:
     def events_per_second(self) -> float: ...
     @property
     def min_capacity_bytes(self) -> int | None:
-        """The smallest sim capacity without an OOM (within 0.5%), if it was asked for."""
+        """The smallest sim capacity without an OOM (within 0.02%), if it was asked for."""
     @property
     def min_capacity_utilization(self) -> float | None: ...
     @property
@@ -253,8 +253,10 @@ def replay(
     capacity: int | str | None = None,
     min_capacity: bool = False,
     device: str = "sim",
+    tolerance: float | None = None,
 ) -> ReplayResult:
-    """Replays ``trace`` on a fresh pool; ``sim`` without a capacity is unlimited."""
+    """Replays ``trace`` on a fresh pool; ``sim`` without a capacity is unlimited. The
+    min-capacity search stops within ``tolerance`` of its answer (0.02% unless given)."""
 
 def replay_from_start(
     trace: Trace,

@@ -37,7 +37,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--min-capacity",
         action="store_true",
-        help="also find the smallest device size that runs the trace without an OOM (to 0.5%%)",
+        help="also find the smallest device size that runs the trace without an OOM (to 0.02%%)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="draw reserved and live memory over time (needs matplotlib)")

@@ -241,7 +241,7 @@ def replay(
     (PyTorch's ``key:value,...`` string) over ``device`` (``sim``, unlimited unless ``capacity``
     is given, or ``host``). Allocations that do not fit are counted in ``ooms`` and skipped.
     With ``min_capacity``, also searches for the smallest ``sim`` capacity without an OOM, to
-    within 0.5%."""
+    within 0.02%."""
     if not isinstance(trace, Trace):
         trace = load(trace)
     return _native.replay(trace._native, config, capacity, min_capacity, device)

@@ -2,7 +2,7 @@
 //! beyond plain replays, to check a replay of the recorded settings against the recorded run.
 
 use super::error::{pool_error, value_error};
-use super::replay::{PyReplayResult, MIN_CAPACITY_TOLERANCE, TIMELINE_POINTS};
+use super::replay::{PyReplayResult, TIMELINE_POINTS};
 use super::trace::PyTrace;
 use crate::core::PoolKind;
 use crate::device::Sim;
@@ -11,6 +11,11 @@ use crate::trace::fidelity;
 use crate::trace::replay::Timeline;
 use crate::trace::start::{self, StartSegment};
 use pyo3::prelude::*;
+
+/// How close `gpupool advise`'s min-capacity searches get (a fraction of the answer): it calls
+/// savings below that share none (`gpupool._advice.advice.TOLERANCE`), so a finer search would
+/// only cost replays.
+const ADVICE_TOLERANCE: f64 = 0.005;
 
 /// One start segment as the Python side hands it over: `(address, size, is_small, stream)`.
 type StartTuple = (u64, u64, bool, u64);
@@ -54,7 +59,7 @@ pub fn replay_from_start(
                     None => run.metrics.clone(),
                     Some(_) => start::replay_from_start_sim(&events, &segments, &parsed, u64::MAX)?.metrics,
                 };
-                Some(start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, MIN_CAPACITY_TOLERANCE)?)
+                Some(start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, ADVICE_TOLERANCE)?)
             } else {
                 None
             };

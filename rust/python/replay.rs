@@ -9,8 +9,10 @@ use pyo3::prelude::*;
 
 /// Enough points for a plot as wide as a screen.
 pub(super) const TIMELINE_POINTS: usize = 2000;
-/// The min-capacity search stops when its bounds are this close (a fraction of the answer).
-pub(super) const MIN_CAPACITY_TOLERANCE: f64 = 0.005;
+/// The min-capacity search stops when its bounds are this close (a fraction of the answer):
+/// 0.02%, finer than the tenths of a point by which strategies' utilizations differ. Each
+/// halving of it costs one more replay.
+const MIN_CAPACITY_TOLERANCE: f64 = 0.0002;
 
 #[pyclass(name = "ReplayResult", module = "gpupool._native", frozen)]
 pub struct PyReplayResult {
@@ -154,7 +156,7 @@ impl PyReplayResult {
 /// Replays `trace` on a fresh pool over `device` (`sim` without a capacity is unlimited); with
 /// `min_capacity`, also bisects for the smallest `sim` capacity without an OOM.
 #[pyfunction]
-#[pyo3(signature = (trace, config = None, capacity = None, min_capacity = false, device = "sim"))]
+#[pyo3(signature = (trace, config = None, capacity = None, min_capacity = false, device = "sim", tolerance = None))]
 pub fn replay(
     py: Python<'_>,
     trace: &PyTrace,
@@ -162,7 +164,12 @@ pub fn replay(
     capacity: Option<&Bound<'_, PyAny>>,
     min_capacity: bool,
     device: &str,
+    tolerance: Option<f64>,
 ) -> PyResult<PyReplayResult> {
+    let tolerance = tolerance.unwrap_or(MIN_CAPACITY_TOLERANCE);
+    if !(tolerance > 0.0 && tolerance < 1.0) {
+        return Err(value_error(format!("tolerance must lie between 0 and 1, not {tolerance}")));
+    }
     let config_text = config.unwrap_or("").to_string();
     let parsed = Config::parse(&config_text).map_err(value_error)?;
     let capacity = capacity_arg(capacity)?;
@@ -179,8 +186,8 @@ pub fn replay(
             let metrics = run(&events, &mut Pool::new(backend, parsed.clone()), Some(&mut timeline))?;
             let min = match (min_capacity, unlimited) {
                 (false, _) => None,
-                (true, true) => Some(min_capacity_after(&events, &parsed, &metrics, MIN_CAPACITY_TOLERANCE)?),
-                (true, false) => Some(search_min_capacity(&events, &parsed, MIN_CAPACITY_TOLERANCE)?),
+                (true, true) => Some(min_capacity_after(&events, &parsed, &metrics, tolerance)?),
+                (true, false) => Some(search_min_capacity(&events, &parsed, tolerance)?),
             };
             Ok((metrics, min, timeline))
         })

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# The min-capacity search stops within this share of the answer (gpupool.replay's search):
-# savings below it are not savings.
+# Savings below this share of the min capacity are not savings; advise's min-capacity searches
+# stop within it (`ADVICE_TOLERANCE` in rust/python/advise.rs).
 TOLERANCE = 0.005
 
 

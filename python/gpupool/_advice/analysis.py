@@ -39,7 +39,7 @@ def _replay_all(
         if c.seeded:
             result, decisions, _ = _native.replay_from_start(trace, c.config, segments, True, c.as_run)
             return result, decisions
-        return _native.replay(trace, c.config, None, True), []
+        return _native.replay(trace, c.config, None, True, tolerance=TOLERANCE), []
 
     if progress:
         progress(0, len(options), "replaying")
