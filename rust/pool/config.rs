@@ -161,9 +161,10 @@ pub enum PagingMode {
     /// by one per page near the limit, so that pressure can give back exactly the free pages.
     /// And when the device refuses a map, free pages elsewhere that no queued work uses go back
     /// and the block keeps its place; if there are none, once the streams were waited for and
-    /// free pages unmapped, a block goes where it needs the fewest new pages first. With the default's rules the small range holds only tiny blocks,
-    /// and a tiny request takes a free piece of the large range on mapped pages, if one holds
-    /// it, before the small range maps a page.
+    /// free pages unmapped, a block goes where it needs the fewest new pages first. With the
+    /// default's rules the small range holds only tiny blocks, and a tiny request takes a free
+    /// piece of the large range on mapped pages, if one holds it, before the small range maps a
+    /// page.
     Pager,
 }
 
