@@ -452,25 +452,10 @@ impl Heap {
         if b.bin_prev != NIL || bin_index(b.size - size) != bin {
             return false;
         }
+        let (stream, kind) = (b.stream, b.kind);
         self.uncount_inactive(id);
-        let b = self.blocks[id as usize].clone();
-        let tail = self.new_block(Block {
-            address: b.address + size,
-            size: b.size - size,
-            requested: 0,
-            prev: id,
-            bin_prev: NIL,
-            bin_next: NIL,
-            state: BlockState::Free,
-            ..b
-        });
-        if b.next != NIL {
-            self.blocks[b.next as usize].prev = tail;
-        }
-        let block = &mut self.blocks[id as usize];
-        block.next = tail;
-        block.size = size;
-        let (bins, blocks) = self.bins_of(b.stream, b.kind);
+        let tail = self.cut(id, size);
+        let (bins, blocks) = self.bins_of(stream, kind);
         bins.replace_first(blocks, bin, id, tail);
         self.count_inactive(tail);
         true
@@ -479,6 +464,15 @@ impl Heap {
     /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.
     #[inline(always)]
     fn split(&mut self, id: u32, size: u64) {
+        let tail = self.cut(id, size);
+        self.bin_insert(tail);
+        self.count_inactive(tail);
+    }
+
+    /// Cuts block `id` to `size` bytes and links the rest after it as a new free block, with
+    /// the same owner, in no bin and not counted; returns it.
+    #[inline(always)]
+    fn cut(&mut self, id: u32, size: u64) -> u32 {
         let b = self.blocks[id as usize].clone();
         let tail = self.new_block(Block {
             address: b.address + size,
@@ -496,8 +490,7 @@ impl Heap {
         let block = &mut self.blocks[id as usize];
         block.next = tail;
         block.size = size;
-        self.bin_insert(tail);
-        self.count_inactive(tail);
+        tail
     }
 
     /// The allocated block a handle names.
