@@ -240,6 +240,21 @@ def test_device_calls_release_the_gil(operation):
     slow.check_invariants()
 
 
+def test_a_call_waits_for_a_device_call_that_holds_the_pool():
+    """The pool stays locked while a thread is detached for a device call: another thread's call
+    waits for it, then sees all of its effect."""
+    slow = gpupool.Pool("host", capacity=256 * MiB, inject_faults=DELAY)
+    kept = []
+    thread = threading.Thread(target=lambda: kept.append(slow.alloc(MiB)))
+    thread.start()
+    time.sleep(DELAY["delay"] / 4)  # the worker is inside its device call now
+    started = time.monotonic()
+    assert slow.memory_allocated() == MiB
+    assert time.monotonic() - started > DELAY["delay"] / 2
+    thread.join()
+    slow.check_invariants()
+
+
 def test_a_failed_free_changes_nothing_and_can_be_retried():
     faults = {"nth": 1, "calls": ["record_event"]}
     pool = gpupool.Pool("sim", capacity=GiB, config="strategy:pytorch", inject_faults=faults)

@@ -47,7 +47,7 @@ fn cuda_mem_get_info(py: Python<'_>, device: i32) -> PyResult<(u64, u64)> {
 /// of `address` in it: what Numba's `IpcHandle` carries to another process.
 #[pyfunction]
 fn _ipc_handle(py: Python<'_>, pool: &PyPool, address: u64) -> PyResult<(Vec<u8>, u64)> {
-    py.detach(|| pool.shared().lock_detached()?.device_mut().ipc_handle(address).map_err(|e| pool_error(e.into())))
+    pool.shared().lock(py)?.detach(|pool| pool.device_mut().ipc_handle(address).map_err(|e| pool_error(e.into())))
 }
 
 fn cuda_usable() -> bool {

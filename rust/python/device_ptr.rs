@@ -65,8 +65,7 @@ impl PyDevicePtr {
         if self.exports.load(Ordering::Relaxed) > 0 || !pool.free_calls_device(handle).unwrap_or(false) {
             return self.free_locked(&mut pool, handle);
         }
-        drop(pool);
-        py.detach(|| self.free_locked(&mut *self.shared.lock_detached()?, handle))
+        pool.detach(|pool| self.free_locked(pool, handle))
     }
 
     /// Marks the pointer freed if `free` succeeds; a second free is a double free.
@@ -102,9 +101,7 @@ impl PyDevicePtr {
     /// An export is gone. The last one of a freed pointer releases the held block; the device
     /// may be called then (other streams' uses), so the interpreter is detached for it.
     pub fn unpin(&self, py: Python<'_>) -> PyResult<()> {
-        let shared = &self.shared;
-        py.detach(|| {
-            let mut pool = shared.lock_detached()?;
+        self.shared.lock(py)?.detach(|pool| {
             if self.exports.fetch_sub(1, Ordering::Relaxed) != 1 {
                 return Ok(());
             }
@@ -122,8 +119,7 @@ impl PyDevicePtr {
         let id = stream.id_for(&self.shared)?;
         let Some(handle) = self.handle else { return self.check_live() };
         // Recording a use asks the device whether the stream exists.
-        py.detach(|| {
-            let mut pool = self.shared.lock_detached()?;
+        self.shared.lock(py)?.detach(|pool| {
             self.check_live()?;
             pool.record_stream(handle, id).map_err(pool_error)
         })
@@ -326,9 +322,8 @@ impl PyDevicePtr {
             return self.check_live();
         }
         let handle = self.handle.ok_or_else(|| value_error("an empty allocation holds no bytes"))?;
-        py.detach(|| {
-            // Checking `freed` under the pool lock orders it with a concurrent free.
-            let mut pool = self.shared.lock_detached()?;
+        // Checking `freed` under the pool lock orders it with a concurrent free.
+        self.shared.lock(py)?.detach(|pool| {
             self.check_live()?;
             pool.write(handle, offset, &bytes).map_err(|e| value_error(e.to_string()))
         })
@@ -351,8 +346,7 @@ impl PyDevicePtr {
             }
             let handle = self.handle.ok_or_else(|| value_error("an empty allocation holds no bytes"))?;
             // `out` belongs to a bytes object no other thread can see yet.
-            py.detach(|| {
-                let pool = self.shared.lock_detached()?;
+            self.shared.lock(py)?.detach(|pool| {
                 self.check_live()?;
                 pool.read(handle, offset, out).map_err(|e| value_error(e.to_string()))
             })

@@ -3,7 +3,7 @@
 
 use super::dlpack::{self, DataType};
 use super::error::{pool_error, value_error};
-use super::pool::Shared;
+use super::pool::{DevicePool, Shared};
 use crate::device::{Device, StreamId, DEFAULT_STREAM};
 use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
@@ -85,15 +85,14 @@ impl Memory<'_> {
                 Some(raw) if raw > 0 => raw as u64,
                 Some(raw) => return Err(value_error(format!("invalid DLPack stream {raw}"))),
             };
-            py.detach(|| self.order_before(consumer))?;
+            self.shared.lock(py)?.detach(|pool| self.order_before(pool, consumer))?;
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         dlpack::export(py, owner, self.address, device, dtype, shape, versioned)
     }
 
     /// Makes the stream with raw handle `consumer` wait for the work queued on the allocation's.
-    fn order_before(&self, consumer: u64) -> PyResult<()> {
-        let mut pool = self.shared.lock_detached()?;
+    fn order_before(&self, pool: &mut DevicePool, consumer: u64) -> PyResult<()> {
         let producer = self.stream;
         let device = pool.device_mut();
         if device.stream_handle(producer) == Some(consumer) {

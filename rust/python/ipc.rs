@@ -15,8 +15,8 @@ type Export = (u32, Vec<(i32, u64)>, u64);
 /// descriptors once the other process has taken them.
 #[pyfunction]
 fn _export_pages(py: Python<'_>, pool: &PyPool, address: u64, size: u64) -> PyResult<Export> {
-    py.detach(|| {
-        let exported = pool.shared().lock_detached()?.device_mut().export_pages(address, size);
+    pool.shared().lock(py)?.detach(|pool| {
+        let exported = pool.device_mut().export_pages(address, size);
         let e = exported.map_err(|e| pool_error(e.into()))?;
         Ok((e.pid, e.pages, e.offset))
     })

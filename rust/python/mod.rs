@@ -7,6 +7,7 @@ mod device_ptr;
 mod dlpack;
 mod error;
 mod export;
+mod gil_lock;
 mod interop;
 #[cfg(feature = "cuda")]
 mod ipc;

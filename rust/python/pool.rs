@@ -4,6 +4,7 @@ use super::cuda::default_device;
 use super::device::{capacity_arg, open_device_mode};
 use super::device_ptr::PyDevicePtr;
 use super::error::{poisoned_pool, pool_error, size_arg, value_error};
+use super::gil_lock::{GilGuard, GilLock};
 use super::stream::PyStream;
 use super::trace::device_trace;
 use crate::core::{BlockState, Metric, StatType};
@@ -15,53 +16,43 @@ use pyo3::exceptions::{PyAssertionError, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::Arc;
 
 pub type DevicePool = Pool<Box<dyn Device>>;
 
 /// What a Python pool and all of its pointers share, so memory outlives the `Pool` object.
 pub struct Shared {
-    pool: Mutex<DevicePool>,
+    pool: GilLock<DevicePool>,
     pub device: String,
     pub capacity: Option<u64>,
     pub host_accessible: bool,
 }
 
 impl Shared {
-    /// Locks the pool from a thread attached to the interpreter. If another thread holds the
-    /// lock (over a device call, say), the wait happens detached, so other Python threads run.
-    pub fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, DevicePool>> {
-        loop {
-            match self.pool.try_lock() {
-                Ok(guard) => return Ok(guard),
-                Err(TryLockError::Poisoned(poisoned)) => return self.recover(poisoned),
-                Err(TryLockError::WouldBlock) => py.detach(|| drop(self.pool.lock())),
-            }
-        }
-    }
-
-    /// Locks the pool from a thread detached from the interpreter (inside `py.detach`).
-    pub fn lock_detached(&self) -> PyResult<MutexGuard<'_, DevicePool>> {
-        self.pool.lock().or_else(|poisoned| self.recover(poisoned))
+    /// Locks the pool. If another thread holds it (over a device call, say), the wait happens
+    /// detached, so other Python threads run. Anything that may call the device runs in
+    /// [`GilGuard::detach`].
+    #[inline]
+    pub fn lock<'a, 'py>(&'a self, py: Python<'py>) -> PyResult<PoolGuard<'a, 'py>> {
+        self.pool.lock(py).or_else(|poisoned| self.recover(poisoned))
     }
 
     /// A panic inside the lock poisons it. If the pool's invariants still hold (the panic came
     /// before any change, as an injected device fault does), the pool is trusted again;
     /// otherwise every later call fails with an error that says why.
-    fn recover<'a>(
-        &'a self,
-        poisoned: PoisonError<MutexGuard<'a, DevicePool>>,
-    ) -> PyResult<MutexGuard<'a, DevicePool>> {
-        let guard = poisoned.into_inner();
+    #[cold]
+    fn recover<'a, 'py>(&'a self, guard: PoolGuard<'a, 'py>) -> PyResult<PoolGuard<'a, 'py>> {
         match guard.check_invariants() {
             Ok(()) => {
-                self.pool.clear_poison();
+                guard.clear_poison();
                 Ok(guard)
             }
             Err(why) => Err(poisoned_pool(&self.device, &why)),
         }
     }
 }
+
+pub type PoolGuard<'a, 'py> = GilGuard<'a, 'py, DevicePool>;
 
 #[pyclass(name = "Pool", module = "gpupool._native", subclass, frozen)]
 pub struct PyPool {
@@ -146,7 +137,7 @@ impl PyPool {
 
     /// Runs `op` on the pool with the interpreter detached: for anything that may call the device.
     fn detached<T: Send>(&self, py: Python<'_>, op: impl FnOnce(&mut DevicePool) -> PyResult<T> + Send) -> PyResult<T> {
-        py.detach(|| op(&mut *self.shared.lock_detached()?))
+        self.shared.lock(py)?.detach(op)
     }
 }
 
@@ -177,7 +168,7 @@ impl PyPool {
             let host_accessible = backend.host_accessible();
             let device = backend.name().to_string();
             // Pre-allocation (`initial_pool_size_mb`) calls the device.
-            let pool = Mutex::new(Pool::new(backend, config));
+            let pool = GilLock::new(Pool::new(backend, config));
             PyResult::Ok(Shared { pool, device, capacity, host_accessible })
         })?;
         Ok(PyPool { shared: Arc::new(shared) })

@@ -40,7 +40,10 @@ impl Drop for PyStream {
         if self.id != DEFAULT_STREAM && !self.destroyed.swap(true, Ordering::AcqRel) {
             // Destroying synchronizes the stream: never with the interpreter attached.
             Python::attach(|py| {
-                let destroyed = py.detach(|| self.shared.lock_detached()?.destroy_stream(self.id).map_err(pool_error));
+                let destroyed = self
+                    .shared
+                    .lock(py)
+                    .and_then(|mut pool| pool.detach(|pool| pool.destroy_stream(self.id).map_err(pool_error)));
                 if let Err(e) = destroyed {
                     // As CPython does for errors in `__del__`; the stream stays alive.
                     e.write_unraisable(py, None);
@@ -74,13 +77,13 @@ impl PyStream {
     /// Whether all work recorded on the stream has completed.
     fn query(&self, py: Python<'_>) -> PyResult<bool> {
         let id = self.live_id()?;
-        py.detach(|| self.shared.lock_detached()?.query_stream(id).map_err(pool_error))
+        self.shared.lock(py)?.detach(|pool| pool.query_stream(id).map_err(pool_error))
     }
 
     /// Waits for the stream's work; blocks it freed or used become reusable.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let id = self.live_id()?;
-        py.detach(|| self.shared.lock_detached()?.synchronize_stream(id).map_err(pool_error))
+        self.shared.lock(py)?.detach(|pool| pool.synchronize_stream(id).map_err(pool_error))
     }
 
     /// Synchronizes and destroys the stream; its cached blocks go to every stream.
@@ -88,8 +91,7 @@ impl PyStream {
         if self.id == DEFAULT_STREAM {
             return Err(value_error("the default stream cannot be destroyed"));
         }
-        py.detach(|| {
-            let mut pool = self.shared.lock_detached()?;
+        self.shared.lock(py)?.detach(|pool| {
             // Checked under the lock: two racing destroys must not both reach the device.
             let id = self.live_id()?;
             pool.destroy_stream(id).map_err(pool_error)?;

@@ -1,0 +1,120 @@
+//! [`GilLock`]: a lock whose takers are ordered by the interpreter lock instead of atomics.
+//!
+//! Every thread that takes it is attached to the interpreter (each method wants a [`Python`]
+//! token), so the GIL already serializes the takers (the extension is built for the stable ABI,
+//! which free-threaded interpreters do not load, so there always is a GIL): the lock's state is plain cells that only
+//! attached threads read and write. Taking and dropping it costs no atomic instruction, where a
+//! `Mutex` costs two, a sizeable part of a cached alloc+free made from Python.
+//!
+//! A holder may let go of the interpreter while it keeps the lock ([`GilGuard::detach`], for
+//! device calls). It holds `parked` meanwhile, so that a thread that wants the lock blocks on
+//! that, detached, instead of spinning. A holder that lets go of the interpreter some other way
+//! (a Python callback) holds no `parked`: a waiter then yields until the lock is free.
+
+use pyo3::Python;
+use std::cell::{Cell, UnsafeCell};
+use std::ops::{Deref, DerefMut};
+use std::sync::{Mutex, PoisonError};
+
+pub struct GilLock<T> {
+    value: UnsafeCell<T>,
+    /// Whether a guard exists (read and written only by attached threads).
+    held: Cell<bool>,
+    /// Whether a holder panicked (read and written only by attached threads).
+    poisoned: Cell<bool>,
+    /// Held by a guard while its thread is detached.
+    parked: Mutex<()>,
+}
+
+// SAFETY: `held` and `poisoned` are only touched by threads attached to the interpreter, whose
+// GIL orders those accesses. `value` is only reached through a `GilGuard`, at most one of which
+// exists at a time (`held`), and which never leaves its thread (it holds a `Python` token); while
+// its thread is detached, only the closure it runs then reaches `value`. So `value` is used by
+// one thread at a time, as `Mutex<T>` requires of `T: Send`.
+unsafe impl<T: Send> Sync for GilLock<T> {}
+
+impl<T> GilLock<T> {
+    pub fn new(value: T) -> Self {
+        GilLock {
+            value: UnsafeCell::new(value),
+            held: Cell::new(false),
+            poisoned: Cell::new(false),
+            parked: Mutex::new(()),
+        }
+    }
+
+    /// Takes the lock, waiting detached while another thread holds it. Like `Mutex::lock`, `Err`
+    /// means an earlier holder panicked; it still carries the guard (see
+    /// [`GilGuard::clear_poison`]).
+    #[inline]
+    pub fn lock<'a, 'py>(&'a self, py: Python<'py>) -> Result<GilGuard<'a, 'py, T>, GilGuard<'a, 'py, T>> {
+        let parked = &self.parked;
+        while self.held.get() {
+            py.detach(|| {
+                drop(parked.lock());
+                std::thread::yield_now();
+            });
+        }
+        self.held.set(true);
+        let guard = GilGuard { lock: self, py, panicking: std::thread::panicking() };
+        if self.poisoned.get() {
+            Err(guard)
+        } else {
+            Ok(guard)
+        }
+    }
+}
+
+/// Exclusive access to a [`GilLock`]'s value; it stays on the thread that took it.
+pub struct GilGuard<'a, 'py, T> {
+    lock: &'a GilLock<T>,
+    py: Python<'py>,
+    /// Whether the thread was unwinding already when it took the lock (as `MutexGuard` records).
+    panicking: bool,
+}
+
+impl<T: Send> GilGuard<'_, '_, T> {
+    /// Runs `op` on the value with the interpreter detached (other Python threads run; those
+    /// that want this lock wait for `op`).
+    pub fn detach<R: Send>(&mut self, op: impl FnOnce(&mut T) -> R + Send) -> R {
+        let _parked = self.lock.parked.lock().unwrap_or_else(PoisonError::into_inner);
+        let py = self.py;
+        let value = &mut **self;
+        py.detach(move || op(value))
+    }
+}
+
+impl<T> GilGuard<'_, '_, T> {
+    /// Trusts the value again after a holder panicked.
+    pub fn clear_poison(&self) {
+        self.lock.poisoned.set(false);
+    }
+}
+
+impl<T> Deref for GilGuard<'_, '_, T> {
+    type Target = T;
+
+    #[inline]
+    fn deref(&self) -> &T {
+        // SAFETY: this guard is the only one (see `GilLock`'s `Sync`).
+        unsafe { &*self.lock.value.get() }
+    }
+}
+
+impl<T> DerefMut for GilGuard<'_, '_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: this guard is the only one, and `&mut self` makes the borrow unique.
+        unsafe { &mut *self.lock.value.get() }
+    }
+}
+
+impl<T> Drop for GilGuard<'_, '_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        if !self.panicking && std::thread::panicking() {
+            self.lock.poisoned.set(true);
+        }
+        self.lock.held.set(false);
+    }
+}
