@@ -419,16 +419,6 @@ impl Heap {
         Some(self.take_block(id, requested, rounded, stream).0)
     }
 
-    /// Allocates the last `rounded` bytes of free block `id` (bigger than that) to `stream`, as
-    /// [`Heap::take_block`] would its first ones; the front stays free, with its owner. A paged
-    /// pool puts a block there when it then shares the page of the live block that follows.
-    pub fn take_block_back(&mut self, id: u32, requested: u64, rounded: u64, stream: u32) -> (Handle, u64) {
-        let size = self.blocks[id as usize].size;
-        debug_assert!(size - rounded >= self.rules.granule, "a back placement leaves a free front");
-        let tail = self.split_free(id, size - rounded);
-        self.take_block(tail, requested, rounded, stream)
-    }
-
     /// Cuts binned free block `id` to `size` bytes; both pieces stay free and binned, with its
     /// owner. Returns the second piece.
     fn split_free(&mut self, id: u32, size: u64) -> u32 {
@@ -858,26 +848,6 @@ mod tests {
             assert_eq!(heap.idle_segment(sid).age, 0, "idle since the last free, not since it was made");
             heap.check_invariants().unwrap();
         }
-    }
-
-    /// A block taken from a free block's back leaves the front free, with its owner, and merges
-    /// back into it when freed.
-    #[test]
-    fn take_block_back_leaves_the_front_free() {
-        let mut heap = Heap::new(Rules::pytorch());
-        let base = 0x1000_0000;
-        heap.add_segment(base, 20 * MIB, PoolKind::Large, 1);
-        let id = heap.find(3 * MIB, 1).expect("the segment has room");
-        let (handle, address) = heap.take_block_back(id, 3 * MIB - 100, 3 * MIB, 1);
-        assert_eq!(address, base + 17 * MIB);
-        heap.check_invariants().unwrap();
-        let layout: Vec<(u64, u64, BlockState)> =
-            heap.segments()[0].blocks.iter().map(|b| (b.address - base, b.size, b.state)).collect();
-        assert_eq!(layout, [(0, 17 * MIB, BlockState::Free), (17 * MIB, 3 * MIB, BlockState::Allocated)]);
-        assert_eq!(heap.find(17 * MIB, 1), Some(id), "the front stays stream 1's, in its bins");
-        heap.release(handle).unwrap();
-        assert_eq!(heap.segments()[0].blocks.len(), 1);
-        heap.check_invariants().unwrap();
     }
 
     /// A recorded layout rebuilt block by block, from the highest address down: each block lands

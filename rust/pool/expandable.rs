@@ -18,8 +18,7 @@
 //! keep mapped, before its own range maps a page. When the device refuses a map, it gives
 //! back free pages elsewhere that no queued work uses and maps again, so the block keeps its
 //! best-fit place and no stream is waited for; only if none are free does the out-of-memory
-//! path run, where it may place a block at a hole's back, on the page the live block after the
-//! hole holds.
+//! path run.
 
 use super::page_map::PageMap;
 use super::{Paging, PagingMode};
@@ -36,15 +35,6 @@ pub enum Backing {
     /// Nothing: the request goes to this free piece of a large range instead, whose pages are
     /// mapped (gpupool's pager, for a small request that would map a page of the small range).
     Piece(u32),
-}
-
-/// Which end of a free block an allocation takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum End {
-    /// Its first bytes: the rest stays free after the allocation.
-    Front,
-    /// Its last bytes: the free rest lies before the allocation.
-    Back,
 }
 
 /// One reserved range and its page map.
@@ -421,31 +411,28 @@ impl Expandable {
         Ok(released)
     }
 
-    /// Under memory pressure: the free block for `rounded` bytes on `stream`, and its end,
-    /// where the placement needs the fewest pages mapped, typically a hole whose edge pages live
-    /// neighbours keep mapped. gpupool's pager also tries each hole's back: the page a live
-    /// block shares with a hole's end saves a page as well as the one at its start does (`pages`,
-    /// the reference, tries fronts only). Ties go to the lowest address. Scans every free block
-    /// of the kind's ranges; only the out-of-memory path calls it.
-    pub fn least_mapping_fit(&self, heap: &Heap, rounded: u64, kind: PoolKind, stream: u32) -> Option<(u32, End)> {
-        let both_ends = self.paging.mode == PagingMode::Pager;
-        let mut best: Option<(u64, u64, u32, End)> = None;
+    /// Under memory pressure: the free block for `rounded` bytes on `stream` whose front needs
+    /// the fewest pages mapped, typically a hole whose first page a live neighbour keeps mapped;
+    /// ties go to the lowest address. Fronts only: a block at a hole's back would sit against the
+    /// live block after the hole, so the free rest could not merge with that block's space when
+    /// it is freed, as a tensor grown by copying frees its last version right after the new one
+    /// is placed (BENCHMARKS.md, "Growing tensors"). Scans every free block of the kind's ranges;
+    /// only the out-of-memory path calls it.
+    pub fn least_mapping_fit(&self, heap: &Heap, rounded: u64, kind: PoolKind, stream: u32) -> Option<u32> {
+        let mut best: Option<(u64, u64, u32)> = None;
         for range in self.ranges.iter().filter(|r| r.kind == kind) {
-            let unmapped = |at: u64| range.pages_under(at, rounded).filter(|&p| !range.pages.is_mapped(p)).count();
             for (id, b) in heap.free_blocks(range.segment) {
                 if b.size < rounded || (b.stream != stream && b.stream != SHARED) {
                     continue;
                 }
-                let back = (both_ends && b.size > rounded).then(|| (b.end() - rounded, End::Back));
-                for (at, end) in [(b.address, End::Front)].into_iter().chain(back) {
-                    let new_pages = unmapped(at) as u64;
-                    if best.is_none_or(|(n, a, _, _)| (new_pages, at) < (n, a)) {
-                        best = Some((new_pages, at, id, end));
-                    }
+                let pages = range.pages_under(b.address, rounded);
+                let new_pages = pages.filter(|&p| !range.pages.is_mapped(p)).count() as u64;
+                if best.is_none_or(|(n, at, _)| (new_pages, b.address) < (n, at)) {
+                    best = Some((new_pages, b.address, id));
                 }
             }
         }
-        best.map(|(_, _, id, end)| (id, end))
+        best.map(|(_, _, id)| id)
     }
 
     /// Whether `stream` has no queued work (after waiting for it, with `wait`), asking the

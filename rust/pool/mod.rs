@@ -25,7 +25,7 @@ pub use history::{History, HistoryAction, HistoryEntry};
 use crate::core::{BlockState, Handle, Heap, Metric, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, SHARED};
 use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
-use expandable::{Backing, End, Expandable};
+use expandable::{Backing, Expandable};
 use growth::Growth;
 
 pub use crate::device::DEFAULT_STREAM;
@@ -184,7 +184,7 @@ impl<D: Device> Pool<D> {
         if self.config.cross_stream_reuse == CrossStreamReuse::Wait {
             if let Some((id, owner)) = self.heap.find_foreign(rounded, stream) {
                 self.make_wait_for(stream, owner)?;
-                return self.take_found(id, End::Front, size, rounded, stream).map(Some);
+                return self.take_found(id, size, rounded, stream).map(Some);
             }
         }
         Ok(None)
@@ -193,25 +193,17 @@ impl<D: Device> Pool<D> {
     /// A cached block of the stream's own, else a shared one.
     fn take_cached(&mut self, size: u64, rounded: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         match self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)) {
-            Some(id) => self.take_found(id, End::Front, size, rounded, stream).map(Some),
+            Some(id) => self.take_found(id, size, rounded, stream).map(Some),
             None => Ok(None),
         }
     }
 
-    /// Allocates `end` of free block `id` for `size` (`rounded` by the rules), first mapping its
-    /// pages if it lies in an expandable segment.
-    fn take_found(
-        &mut self,
-        id: u32,
-        end: End,
-        size: u64,
-        rounded: u64,
-        stream: StreamId,
-    ) -> Result<Allocation, PoolError> {
+    /// Allocates the front of free block `id` for `size` (`rounded` by the rules), first mapping
+    /// its pages if it lies in an expandable segment.
+    fn take_found(&mut self, id: u32, size: u64, rounded: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         if let Some(pages) = self.expandable.as_mut() {
             let (block, segment) = (self.heap.block_at(id), self.heap.segment_of(id));
-            let free_end = block.end();
-            let address = if end == End::Back { free_end - rounded } else { block.address };
+            let (address, free_end) = (block.address, block.end());
             let backing = pages.ensure_mapped(
                 &mut self.device,
                 &mut self.heap,
@@ -228,10 +220,7 @@ impl<D: Device> Pool<D> {
                 Backing::Piece(piece) => return Ok(self.take_piece(piece, size, rounded, stream)),
             }
         }
-        let (handle, address) = match end {
-            End::Front => self.heap.take_block(id, size, rounded, stream),
-            End::Back => self.heap.take_block_back(id, size, rounded, stream),
-        };
+        let (handle, address) = self.heap.take_block(id, size, rounded, stream);
         Ok(self.allocation(handle, address, size, stream))
     }
 
@@ -341,7 +330,7 @@ impl<D: Device> Pool<D> {
         let kind = rules.kind(rounded);
         let fit = self.expandable.as_ref().and_then(|pages| pages.least_mapping_fit(&self.heap, rounded, kind, stream));
         match fit {
-            Some((id, end)) => self.take_found(id, end, size, rounded, stream),
+            Some(id) => self.take_found(id, size, rounded, stream),
             None => Err(oom),
         }
     }
@@ -357,7 +346,7 @@ impl<D: Device> Pool<D> {
         if let Some(pages) = self.expandable.as_mut() {
             let segment = pages.grow(&mut self.device, &mut self.heap, kind, stream, rounded)?;
             let id = self.heap.segment_head(segment);
-            return self.take_found(id, End::Front, size, rounded, stream);
+            return self.take_found(id, size, rounded, stream);
         }
         self.collect_garbage()?;
         let (address, segment_size) = self.allocate_segment(rounded, stream)?;
