@@ -198,23 +198,28 @@ pub fn replay_sim(trace: &Trace, config: &Config, capacity: u64) -> Result<Metri
     replay(trace, &mut Pool::new(Sim::new(capacity), config.clone()), None)
 }
 
-/// Whether `trace` replays on a `sim` device of `capacity` bytes with at most `ooms` failed
-/// allocations; stops at the first failure beyond them.
-fn fits_sim(trace: &Trace, config: &Config, capacity: u64, ooms: u64) -> Result<bool, PoolError> {
+/// The peak bytes reserved when `trace` replays on a `sim` device of `capacity` bytes with at
+/// most `ooms` failed allocations, or `None` if it fails more often; stops at the first failure
+/// beyond them.
+fn fits_sim(trace: &Trace, config: &Config, capacity: u64, ooms: u64) -> Result<Option<u64>, PoolError> {
     let mut pool = Pool::new(Sim::new(capacity), config.clone());
     let mut cursor = Cursor::new(trace, &mut pool)?;
     cursor.stop_after_ooms(ooms);
     cursor.run(trace, &mut pool, 0, None)?;
-    Ok(!cursor.failed())
+    Ok((!cursor.failed()).then(|| pool.stats().get(Metric::ReservedBytes, StatType::All).peak))
 }
 
 /// The smallest `sim` capacity on which `trace` replays without an OOM, to within `tolerance`
-/// (a fraction of the answer). See [`bisect_capacity`].
+/// (a fraction of the answer). See [`min_capacity_after`].
 pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<u64, PoolError> {
     min_capacity_after(trace, config, &replay_sim(trace, config, u64::MAX)?, tolerance)
 }
 
-/// [`min_capacity`], given what a replay on an unlimited `sim` device measured.
+/// [`min_capacity`], given what a replay on an unlimited `sim` device measured: the bisection of
+/// [`bisect_capacity`], then the peak the replay on the capacity found reserved, if the trace
+/// fits on exactly that too. The bisection ends anywhere in its last interval, while a pool's
+/// reservations move in whole segments or pages: so the answer is what the pool needs, and two
+/// strategies that need the same pages read the same.
 pub fn min_capacity_after(
     trace: &Trace,
     config: &Config,
@@ -222,8 +227,21 @@ pub fn min_capacity_after(
     tolerance: f64,
 ) -> Result<u64, PoolError> {
     // Requests no device could hold fail everywhere; they do not count against a capacity.
-    let fits_on = |capacity| fits_sim(trace, config, capacity, unlimited.ooms);
-    bisect_capacity(fits_on, trace.peak_live_bytes(), unlimited.peak_reserved_bytes, tolerance)
+    let mut least: Option<(u64, u64)> = None;
+    let fits_on = |capacity| {
+        let peak = fits_sim(trace, config, capacity, unlimited.ooms)?;
+        if let Some(peak) = peak.filter(|_| least.is_none_or(|(fitted, _)| capacity < fitted)) {
+            least = Some((capacity, peak));
+        }
+        Ok(peak.is_some())
+    };
+    let found = bisect_capacity(fits_on, trace.peak_live_bytes(), unlimited.peak_reserved_bytes, tolerance)?;
+    match least {
+        Some((fitted, peak)) if fitted == found && peak < found => {
+            Ok(if fits_sim(trace, config, peak, unlimited.ooms)?.is_some() { peak } else { found })
+        }
+        _ => Ok(found),
+    }
 }
 
 /// Bisects for the smallest capacity `fits_on`, between `floor` (below which nothing fits: the
@@ -307,6 +325,19 @@ mod tests {
         assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
         assert!(replay_sim(&trace, &config, min - min / 100).unwrap().ooms > 0);
         assert!(min <= 32 * MIB);
+    }
+
+    /// A pager reserves whole pages: the answer is a number of pages that fits, one fewer does
+    /// not, and no bisection interval's end in between.
+    #[test]
+    fn min_capacity_is_what_the_pool_reserves() {
+        for strategy in ["pages", "default"] {
+            let (trace, config) = (small_trace(), Config::parse(&format!("strategy:{strategy}")).unwrap());
+            let min = min_capacity(&trace, &config, 0.005).unwrap();
+            assert_eq!(min % (2 * MIB), 0, "{strategy}: {min}");
+            assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
+            assert!(replay_sim(&trace, &config, min - 2 * MIB).unwrap().ooms > 0);
+        }
     }
 
     /// With a memory fraction the pool's limit follows the capacity: at the unlimited replay's
