@@ -1,10 +1,11 @@
 //! [`GilLock`]: a lock whose takers are ordered by the interpreter lock instead of atomics.
 //!
 //! Every thread that takes it is attached to the interpreter (each method wants a [`Python`]
-//! token), so the GIL already serializes the takers (the extension is built for the stable ABI,
-//! which free-threaded interpreters do not load, so there always is a GIL): the lock's state is plain cells that only
-//! attached threads read and write. Taking and dropping it costs no atomic instruction, where a
-//! `Mutex` costs two, a sizeable part of a cached alloc+free made from Python.
+//! token), so the GIL already serializes the takers: the lock's state is plain cells that only
+//! attached threads read and write. (The extension is built for the stable ABI, which
+//! free-threaded interpreters do not load, so there always is a GIL.) Taking and dropping it
+//! costs no atomic instruction, where a `Mutex` costs two, a sizeable part of a cached
+//! alloc+free made from Python.
 //!
 //! A holder may let go of the interpreter while it keeps the lock ([`GilGuard::detach`], for
 //! device calls). It holds `parked` meanwhile, so that a thread that wants the lock blocks on
@@ -75,7 +76,11 @@ pub struct GilGuard<'a, 'py, T> {
 
 impl<T: Send> GilGuard<'_, '_, T> {
     /// Runs `op` on the value with the interpreter detached (other Python threads run; those
-    /// that want this lock wait for `op`).
+    /// that want this lock wait for `op`). The lock stays held while PyO3 attaches again, which
+    /// first drops the `Py` references this extension let go of while detached: were one the last
+    /// reference to an object whose destructor takes this lock, it would wait for itself. The
+    /// extension lets go of none while detached (DLPack's deleter attaches first), so no Python
+    /// code runs there.
     pub fn detach<R: Send>(&mut self, op: impl FnOnce(&mut T) -> R + Send) -> R {
         let _parked = self.lock.parked.lock().unwrap_or_else(PoisonError::into_inner);
         let py = self.py;
