@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import gpupool
@@ -51,4 +52,53 @@ def test_threads_share_one_pool():
         allocations = sum(future.result() for future in futures)
     check_pool(pool, [])
     assert pool.memory_stats()["allocation.all.allocated"] == allocations
+    drain(pool, [])
+
+
+def _device_caller(pool, thread: int, start: threading.Barrier, steps: int) -> int:
+    """Allocates, frees and now and then gives memory back (a device call made with the GIL
+    released and the pool locked); returns how many times it gave memory back."""
+    rng = random.Random(1000 + thread)
+    live: list[tuple[gpupool.DevicePtr, int]] = []
+    returns = 0
+    start.wait()
+    for step in range(steps):
+        roll = rng.random()
+        if roll < 0.05:
+            pool.empty_cache()
+            returns += 1
+        elif live and (len(live) >= 32 or roll < 0.5):
+            ptr, tag = live.pop(rng.randrange(len(live)))
+            verify(ptr, tag, PATTERN_SPAN)
+            ptr.free()
+        else:
+            ptr = pool.alloc(rng.choice([4 * KiB, 300 * KiB, 3 * MiB, 9 * MiB]) + rng.randrange(4096))
+            stamp(ptr, thread * steps + step, PATTERN_SPAN)
+            live.append((ptr, thread * steps + step))
+    for ptr, tag in live:
+        verify(ptr, tag, PATTERN_SPAN)
+        ptr.free()
+    return returns
+
+
+def test_device_calls_interleave_with_cached_calls():
+    """While one thread holds the pool over a device call (`empty_cache` unmaps pages with the
+    GIL released), the others wait for it: no block is shared, none is lost."""
+    pool = gpupool.Pool("host")
+    start = threading.Barrier(4)
+    returns: list[int] = []
+    # Daemon threads with a deadline: a lock left held by nobody keeps its waiters waiting (with
+    # the GIL released), and the test then fails in a minute instead of hanging.
+    threads = [
+        threading.Thread(target=lambda t=t: returns.append(_device_caller(pool, t, start, 2_000)), daemon=True)
+        for t in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a thread is still waiting for the pool"
+    assert len(returns) == 4 and sum(returns) > 0
+    check_pool(pool, [])
     drain(pool, [])
