@@ -338,6 +338,31 @@ def test_expandable_segments_map_pages_through_the_driver(fake):
     assert result["created"] == result["released"] and result["held"] == 0
 
 
+def test_default_maps_uneven_handles_through_the_driver(fake):
+    # On 8 GiB a handle holds at most 16 MiB while the device has room: 30 MiB is 16 + 14.
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0")
+        ptr = pool.alloc(30 << 20)
+        ptr.copy_from_host(b"tail", offset=(30 << 20) - 4)
+        data = ptr.copy_to_host()[-4:]
+        mapped = (calls("cuMemCreate"), calls("cuMemMap"), calls("cuMemSetAccess"))
+        stats = pool.memory_stats()
+        counted = (stats["num_driver_create"], stats["num_driver_map"], stats["num_driver_set_access"])
+        del ptr
+        pool.empty_cache()
+        pool.check_invariants()
+        report(data=data.decode(), mapped=mapped, counted=counted, unmapped=calls("cuMemUnmap"),
+               released=calls("cuMemRelease"), held=pool.device_memory_held())
+        """,
+        fake,
+        memory=8 << 30,
+    )
+    assert result["data"] == "tail"
+    assert result["mapped"] == [2, 2, 1] and result["counted"] == result["mapped"]
+    assert result["unmapped"] == 2 and result["released"] == 2 and result["held"] == 0
+
+
 def test_cuda_array_interface_and_dlpack_on_cuda(fake):
     result = fake_driver.run(
         """

@@ -172,11 +172,12 @@ pub trait Device: Send {
         Err(DeviceError::InvalidAddress(address))
     }
     /// Backs `[address, address + size)` of a reservation with memory; counts against capacity
-    /// (`OutOfMemory` when it would exceed it). The range must be unmapped, `address` a multiple
-    /// of the mapping granularity and `size` of `handle`: one physical allocation (handle) of
-    /// `handle` bytes is made for each `handle` bytes of the range, the unit that `unmap` will
-    /// later take back whole (on CUDA, a `cuMemCreate` and `cuMemMap` each; access is granted once
-    /// for the whole range). All or nothing: on error nothing stays mapped.
+    /// (`OutOfMemory` when it would exceed it). The range must be unmapped, and `address`, `size`
+    /// and `handle` multiples of the mapping granularity: one physical allocation (handle) of
+    /// `handle` bytes is made for each `handle` bytes of the range, the last one holding what is
+    /// left when `handle` does not divide `size`; `unmap` later takes each back whole (on CUDA, a
+    /// `cuMemCreate` and `cuMemMap` each; access is granted once for the whole range). All or
+    /// nothing: on error nothing stays mapped.
     fn map(&mut self, address: u64, _size: u64, _handle: u64) -> Result<(), DeviceError> {
         Err(DeviceError::InvalidAddress(address))
     }

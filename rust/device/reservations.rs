@@ -6,6 +6,13 @@
 use super::DeviceError;
 use std::collections::BTreeMap;
 
+/// The handles that map `[address, address + size)` in pieces of `handle` bytes, as (address,
+/// size): the last one holds the rest when `handle` does not divide `size`.
+pub fn handles(address: u64, size: u64, handle: u64) -> impl Iterator<Item = (u64, u64)> {
+    let end = address + size;
+    (address..end).step_by(handle as usize).map(move |at| (at, handle.min(end - at)))
+}
+
 #[derive(Debug, Default)]
 struct Reservation {
     size: u64,
@@ -53,12 +60,12 @@ impl Reservations {
         r.mapped.range(..=address).next_back().filter(|(_, &end)| end > address).map(|(&s, &e)| (s, e))
     }
 
-    /// Checks that `[address, address + size)` can be mapped as handles of `handle` bytes: it
-    /// lies in one reservation, is unmapped, and is a whole number of handles.
+    /// Checks that `[address, address + size)` can be mapped as handles of `handle` bytes (the
+    /// last one holding the rest): it lies in one reservation and is unmapped.
     pub fn check_mappable(&self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
         let r = self.holding(address, size)?;
         let overlaps = r.mapped.range(..address + size).next_back().is_some_and(|(_, &end)| end > address);
-        if overlaps || handle == 0 || !size.is_multiple_of(handle) {
+        if overlaps || handle == 0 {
             return Err(DeviceError::InvalidAddress(address));
         }
         Ok(())
@@ -79,7 +86,7 @@ impl Reservations {
             end = e;
         }
         r.mapped.insert(start, end);
-        r.handles.extend((address..address + size).step_by(handle as usize).map(|at| (at, handle)));
+        r.handles.extend(handles(address, size, handle));
         self.mapped_bytes += size;
         Ok(())
     }
@@ -173,15 +180,19 @@ mod tests {
         let mut rs = Reservations::default();
         let base = 1 << 30;
         rs.insert(base, 64 * MIB);
-        assert!(rs.map(base, 6 * MIB, 4 * MIB).is_err(), "not a whole number of handles");
+        assert!(rs.map(base, 6 * MIB, 0).is_err(), "no handle is empty");
         rs.map(base, 12 * MIB, 12 * MIB).unwrap();
         rs.map(base + 12 * MIB, 4 * MIB, 2 * MIB).unwrap();
-        for (from, len) in [(0, 2), (2, 10), (10, 4), (12, 3), (0, 13)] {
+        // 10 MiB in handles of 4: the last one holds the 2 left.
+        rs.map(base + 16 * MIB, 10 * MIB, 4 * MIB).unwrap();
+        for (from, len) in [(0, 2), (2, 10), (10, 4), (12, 3), (0, 13), (16, 2), (18, 4), (22, 2), (20, 5)] {
             assert!(rs.unmap(base + from * MIB, len * MIB).is_err(), "{from}+{len} MiB");
         }
-        assert_eq!(rs.mapped_bytes, 16 * MIB);
+        assert_eq!(rs.mapped_bytes, 26 * MIB);
         rs.unmap(base, 14 * MIB).unwrap();
         rs.unmap(base + 14 * MIB, 2 * MIB).unwrap();
+        rs.unmap(base + 24 * MIB, 2 * MIB).unwrap();
+        rs.unmap(base + 16 * MIB, 8 * MIB).unwrap();
         assert_eq!(rs.mapped_bytes, 0);
     }
 }

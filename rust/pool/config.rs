@@ -156,9 +156,10 @@ pub enum PagingMode {
     /// new pages.
     Pages,
     /// gpupool's pager (`default`): `Pages`' mapping, with two changes. A map call is backed by
-    /// one handle while the device has plenty of room (a handle goes back whole or not at all,
-    /// and each costs driver calls: `cuMemCreate`, `cuMemMap`, `cuMemRelease`, one `cuMemUnmap`),
-    /// by one per page near the limit, so that pressure can give back exactly the free pages.
+    /// handles that shrink with the room left on the device: up to 1/512 of it while nine tenths
+    /// stay free, then 1/4096 of what stays free, and one per page near the limit, so that
+    /// pressure can give back exactly the free pages (a handle goes back whole or not at all,
+    /// and each costs driver calls: `cuMemCreate`, `cuMemMap`, `cuMemRelease`, one `cuMemUnmap`).
     /// And when the device refuses a map, free pages elsewhere that no queued work uses go back
     /// and the block keeps its place; if there are none, once the streams were waited for and
     /// free pages unmapped, a block goes where it needs the fewest new pages first. With the

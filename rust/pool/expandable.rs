@@ -11,8 +11,9 @@
 //! Three [`PagingMode`]s: PyTorch's (`strategy:expandable`: 20 MiB handles in the large range,
 //! 2 MiB in the small one, exactly those a block needs), the idealized pager (`pages`: 2 MiB
 //! pages, a map call reaching ahead, placement by fewest new pages under pressure) and gpupool's
-//! pager (`default`): the same, but one handle for a whole map call while the device has room to
-//! spare, so that a growing job makes few driver calls and a job near the device's limit can
+//! pager (`default`): the same, but a map call's handles shrink with the room left on the device
+//! (up to 1/512 of it while nine tenths stay free, then 1/4096 of what stays free, down to a
+//! page), so that a growing job makes few driver calls and a job near the device's limit can
 //! still give back any free page. Its small range holds only tiny blocks (at most an eighth of
 //! a page), and one of those goes to a free piece of the large range, on pages live neighbours
 //! keep mapped, before its own range maps a page. When the device refuses a map, it gives
@@ -74,11 +75,21 @@ impl Range {
 const MAP_AHEAD: u64 = 20 << 20;
 const SMALL_MAP_AHEAD: u64 = 2 << 20;
 
-/// [`PagingMode::Pager`]: a map call is one handle while at least this share of what the pool
-/// may hold (the device's capacity, or its limit) stays free after it. Closer to the limit a big
-/// handle could not go back in part when the device runs short, so pages are their own handles
+/// [`PagingMode::Pager`]: a map call is backed by big handles while at least this share of what
+/// the pool may hold (the device's capacity, or its limit) stays free after it. Closer to the
+/// limit a big handle could not go back in part when the device runs short, so handles shrink
 /// (BENCHMARKS.md, "Handles": a lower share made the smallest device that runs a trace bigger).
 const ROOMY_SHARE: f64 = 0.9;
+
+/// While the device has room, one handle holds at most this fraction of what the pool may hold:
+/// a handle that a block later keeps partly used cannot go back, and one 256 MiB tensor mapped
+/// as one handle on a 3 GiB device would strand most of itself (BENCHMARKS.md, "Handle size").
+const ROOMY_HANDLE_DIVISOR: u64 = 512;
+
+/// Past that, one handle holds at most this fraction of what stays free after the map, and at
+/// least a page: near the limit every page is its own handle, as the smallest device a job runs
+/// on needs, while on a device several times the job's size a map still takes few driver calls.
+const TIGHT_HANDLE_DIVISOR: u64 = 4096;
 
 /// The largest range reserved (1 PiB, far beyond any device): its page map is at most 64 MiB of
 /// address space, and only the words of mapped pages are ever written.
@@ -295,7 +306,7 @@ impl Expandable {
     }
 
     /// Maps unmapped `run` of `range` in one device call, backed by one handle per page, or by
-    /// one for the whole run when `big_handles` allows it and the device has room.
+    /// handles as big as [`Expandable::handle_size`] allows when `big_handles` (gpupool's pager).
     fn map_run<D: Device>(
         device: &mut D,
         heap: &mut Heap,
@@ -310,10 +321,13 @@ impl Expandable {
         if limit.is_some_and(|limit| reserved + bytes > limit) {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
-        let one_handle = big_handles && Self::roomy(device, reserved + bytes, limit);
-        let handle = if one_handle { bytes } else { range.page_size };
+        let handle = if big_handles {
+            Self::handle_size(device, reserved + bytes, limit, bytes, range.page_size)
+        } else {
+            range.page_size
+        };
         device.map(address, bytes, handle)?;
-        heap.stats_mut().driver.mapped_run(bytes / handle);
+        heap.stats_mut().driver.mapped_run(bytes.div_ceil(handle));
         let runs = 1 - range.pages.touches_mapped(&run);
         range.pages.map(run, handle / range.page_size);
         heap.note_mapped(range.segment, bytes, true, runs);
@@ -321,15 +335,22 @@ impl Expandable {
         Ok(())
     }
 
-    /// Whether, with `reserved` bytes mapped, at least [`ROOMY_SHARE`] of what the pool may hold
-    /// (the device's capacity, or its limit if lower) stays free. A device of unknown capacity
-    /// under no limit always has room.
-    fn roomy<D: Device>(device: &D, reserved: u64, limit: Option<u64>) -> bool {
+    /// The handle size for a map of `bytes` that leaves `reserved` bytes mapped: while at least
+    /// [`ROOMY_SHARE`] of what the pool may hold (the device's capacity, or its limit if lower)
+    /// stays free, [`ROOMY_HANDLE_DIVISOR`] of that; past it, [`TIGHT_HANDLE_DIVISOR`] of what
+    /// stays free. Whole pages, at least one, at most the map. A device of unknown capacity under
+    /// no limit always has room, and a map there is one handle.
+    fn handle_size<D: Device>(device: &D, reserved: u64, limit: Option<u64>, bytes: u64, page: u64) -> u64 {
         let info = device.memory_info();
-        let Some(capacity) = info.total.into_iter().chain(limit).min() else { return true };
+        let Some(capacity) = info.total.into_iter().chain(limit).min() else { return bytes };
         let device_free = info.total.map_or(u64::MAX, |total| total.saturating_sub(info.held));
         let free = device_free.min(capacity.saturating_sub(reserved));
-        free as f64 >= ROOMY_SHARE * capacity as f64
+        let most = if free as f64 >= ROOMY_SHARE * capacity as f64 {
+            capacity / ROOMY_HANDLE_DIVISOR
+        } else {
+            free / TIGHT_HANDLE_DIVISOR
+        };
+        (most / page).clamp(1, (bytes / page).max(1)) * page
     }
 
     /// Unmaps every handle that lies wholly inside free space; returns the bytes freed.

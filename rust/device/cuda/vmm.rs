@@ -13,6 +13,7 @@
 
 use super::driver::{self, check, check_alloc};
 use super::Cuda;
+use crate::device::reservations::handles;
 use crate::device::{DeviceError, MappingOptions};
 use cudarc::driver::sys;
 use std::collections::BTreeMap;
@@ -206,11 +207,15 @@ impl Cuda {
         Ok(device_access(ordinal, &self.reservations.options.peers))
     }
 
-    /// Backs `[address, address + size)` with one physical allocation per `handle` bytes, mapped
-    /// each, with access set once for the whole run. Nothing in the range may be mapped; on
-    /// failure whatever this call mapped is unmapped again.
+    /// Backs `[address, address + size)` with one physical allocation per `handle` bytes (the
+    /// last one holding the rest), mapped each, with access set once for the whole run. Nothing
+    /// in the range may be mapped; on failure whatever this call mapped is unmapped again.
     pub(super) fn map_range(&mut self, address: u64, size: u64, handle: u64) -> Result<(), DeviceError> {
-        let base = self.aligned_range(address, size, handle)?;
+        let granularity = self.page_size()?;
+        let base = self.aligned_range(address, size, granularity)?;
+        if handle == 0 || !handle.is_multiple_of(granularity) {
+            return Err(DeviceError::InvalidAddress(address));
+        }
         if self.reservations.by_base[&base]
             .mappings
             .range(..address + size)
@@ -224,9 +229,9 @@ impl Cuda {
         let _current = self.context.enter()?;
         let prop = allocation_properties(self.ordinal(), self.reservations.options.shareable);
         let mut mapped = Vec::new();
-        let outcome = (address..address + size).step_by(handle as usize).try_for_each(|at| {
-            map_one(at, handle, &prop)?;
-            mapped.push(at);
+        let outcome = handles(address, size, handle).try_for_each(|(at, len)| {
+            map_one(at, len, &prop)?;
+            mapped.push((at, len));
             Ok(())
         });
         let outcome = outcome.and_then(|()| {
@@ -236,15 +241,15 @@ impl Cuda {
             })
         });
         if let Err(e) = outcome {
-            for at in mapped {
+            for (at, len) in mapped {
                 // A failure here leaves the handle mapped but unknown to the pool: a later map of
                 // it fails, which is safe; nothing is handed out on it.
-                unmap_one(at, handle).ok();
+                unmap_one(at, len).ok();
             }
             return Err(e);
         }
         let mappings = &mut self.reservations.by_base.get_mut(&base).expect("reservation checked above").mappings;
-        mappings.extend((address..address + size).step_by(handle as usize).map(|at| (at, handle)));
+        mappings.extend(handles(address, size, handle));
         self.held += size;
         Ok(())
     }
