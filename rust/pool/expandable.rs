@@ -78,7 +78,8 @@ const SMALL_MAP_AHEAD: u64 = 2 << 20;
 /// [`PagingMode::Pager`]: a map call is backed by big handles while at least this share of what
 /// the pool may hold (the device's capacity, or its limit) stays free after it. Closer to the
 /// limit a big handle could not go back in part when the device runs short, so handles shrink
-/// (BENCHMARKS.md, "Handles": a lower share made the smallest device that runs a trace bigger).
+/// (BENCHMARKS.md, "Handles by headroom": a lower share made the smallest device that runs a
+/// trace bigger).
 const ROOMY_SHARE: f64 = 0.9;
 
 /// While the device has room, one handle holds at most this fraction of what the pool may hold:
