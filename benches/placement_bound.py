@@ -1,0 +1,133 @@
+"""Placement bound: the address space a trace needs when freed memory is never given back.
+
+Usage: python benches/placement_bound.py FILE ...      (RMM CSVs, PyTorch snapshot pickles)
+
+A pool that keeps every page it maps (what the default does on a device that never refuses)
+holds at its peak at least every page below the highest address its placement ever used. This
+script measures that high water for the blocks the default puts in its large range (above
+256 KiB, rounded to 512 B), placed in one unbounded address range under five rules, with
+neighbours coalesced on free and no pages or handles:
+
+- best fit (the smallest hole that holds the block, its front; the default's rule),
+- first fit (the lowest hole), worst fit (the largest hole),
+- best fit at the hole's back, next fit (the first hole after the last placement).
+
+A block no hole holds goes to the top of the range. Streams are ignored (every free is reusable
+at once, which only helps). Per FILE it prints the peak live bytes of those blocks, each rule's
+high water rounded up to 2 MiB pages, the default's peak reserved on an unlimited device and
+goal 1's bound for it (1.01x its min capacity + 20 MiB, issue 13). Where every rule's high
+water is above the bound, no rule of these meets it without unmapping memory that holes hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import os
+from collections.abc import Iterable
+
+from gpupool.trace import Event, load, replay
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+GRANULE = 512
+TINY = 256 << 10
+RULES = ("best fit", "first fit", "worst fit", "best fit, back", "next fit")
+
+
+class AddressSpace:
+    """Free holes below `top`, by address; everything from `top` up is free."""
+
+    def __init__(self, rule: str) -> None:
+        self.rule = rule
+        self.holes: list[tuple[int, int]] = []  # (start, length), coalesced
+        self.top = 0
+        self.high_water = 0
+        self.cursor = 0
+
+    def place(self, size: int) -> int:
+        fits = [(i, start, length) for i, (start, length) in enumerate(self.holes) if length >= size]
+        if not fits:
+            return self.place_on_top(size)
+        if self.rule == "first fit":
+            i, start, length = fits[0]
+        elif self.rule == "worst fit":
+            i, start, length = max(fits, key=lambda f: (f[2], -f[1]))
+        elif self.rule == "next fit":
+            after = [f for f in fits if f[1] >= self.cursor]
+            i, start, length = after[0] if after else fits[0]
+        else:
+            i, start, length = min(fits, key=lambda f: (f[2], f[1]))
+        del self.holes[i]
+        at = start + length - size if self.rule == "best fit, back" else start
+        if at > start:
+            bisect.insort(self.holes, (start, at - start))
+        if at + size < start + length:
+            bisect.insort(self.holes, (at + size, start + length - at - size))
+        self.cursor = at
+        return at
+
+    def place_on_top(self, size: int) -> int:
+        # No hole reaches the top: a free there lowers the top instead.
+        at = self.top
+        self.top = at + size
+        self.high_water = max(self.high_water, self.top)
+        self.cursor = at
+        return at
+
+    def free(self, at: int, size: int) -> None:
+        i = bisect.bisect(self.holes, (at, 0))
+        start, end = at, at + size
+        if i < len(self.holes) and self.holes[i][0] == end:
+            end = sum(self.holes.pop(i))
+        if i > 0 and sum(self.holes[i - 1]) == start:
+            start = self.holes.pop(i - 1)[0]
+        if end == self.top:
+            self.top = start
+        else:
+            bisect.insort(self.holes, (start, end - start))
+
+
+def high_waters(events: Iterable[Event]) -> tuple[int, dict[str, int]]:
+    """Peak live bytes of the large-range blocks, and each rule's high water in bytes."""
+    spaces = {rule: AddressSpace(rule) for rule in RULES}
+    placed: dict[int, tuple[int, dict[str, int]]] = {}
+    live = peak = 0
+    for event in events:
+        if event.action == "alloc":
+            size = -(-event.size // GRANULE) * GRANULE
+            if size <= TINY:
+                continue
+            placed[event.address] = (size, {rule: space.place(size) for rule, space in spaces.items()})
+            live += size
+            peak = max(peak, live)
+        elif event.action == "free" and event.address in placed:
+            size, where = placed.pop(event.address)
+            for rule, space in spaces.items():
+                space.free(where[rule], size)
+            live -= size
+    return peak, {rule: space.high_water for rule, space in spaces.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+")
+    args = parser.parse_args()
+    print("| trace (MiB) | peak live | " + " | ".join(RULES) + " | default, peak reserved | bound |")
+    print("|---|---:|" + "---:|" * len(RULES) + "---:|---:|")
+    for path in args.files:
+        trace = load(path)
+        peak, waters = high_waters(trace)
+        least = replay(trace, "strategy:default", min_capacity=True).min_capacity_bytes or 0
+        reserved = replay(trace, "strategy:default").peak_reserved_bytes
+        bound = 1.01 * least + 20 * MiB
+        cells = [f"{-(-waters[rule] // PAGE) * PAGE / MiB:,.0f}" for rule in RULES]
+        name = os.path.basename(path).split(".")[0][:48]
+        print(
+            f"| {name} | {peak / MiB:,.1f} | " + " | ".join(cells) + f" | {reserved / MiB:,.0f} | {bound / MiB:,.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

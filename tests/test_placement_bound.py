@@ -1,0 +1,106 @@
+"""benches/placement_bound.py's address-space model: each rule places where it says, never over
+a live block, coalesces every free, and its high water bounds what a pool that keeps its pages
+holds. And the claim BENCHMARKS.md makes with it on bert_serve_varbatch."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpupool.trace import Event, load, replay
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+BENCHES = Path(__file__).parent.parent / "benches"
+_spec = importlib.util.spec_from_file_location("placement_bound", BENCHES / "placement_bound.py")
+placement_bound = importlib.util.module_from_spec(_spec)
+sys.modules["placement_bound"] = placement_bound
+_spec.loader.exec_module(placement_bound)
+AddressSpace, RULES = placement_bound.AddressSpace, placement_bound.RULES
+
+MiB = 1 << 20
+
+
+def space_with_holes(rule: str, sizes: list[int], freed: list[int]) -> tuple[AddressSpace, list[int]]:
+    """Blocks of `sizes` placed on top of each other, then those at indices `freed` freed."""
+    space = AddressSpace(rule)
+    at = [space.place(size) for size in sizes]
+    for i in freed:
+        space.free(at[i], sizes[i])
+    return space, at
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [("best fit", 10), ("first fit", 0), ("worst fit", 20), ("best fit, back", 11), ("next fit", 20)],
+)
+def test_each_rule_picks_its_hole(rule, expected):
+    # Holes of 4 at 0, 2 at 10 and 9 at 20 between live blocks.
+    space, _ = space_with_holes(rule, [4, 6, 2, 8, 9, 1], [0, 2, 4])
+    space.cursor = 15  # as if the last placement was at 15
+    assert space.place(1) == expected
+
+
+def test_a_block_no_hole_holds_goes_on_top_and_raises_the_high_water():
+    space, _ = space_with_holes("best fit", [4, 1, 4], [0, 2])
+    # Freeing the top block lowered the top: the 4 at 5 left no hole.
+    assert (space.holes, space.top, space.high_water) == ([(0, 4)], 5, 9)
+    assert space.place(5) == 5
+    assert (space.top, space.high_water) == (10, 10)
+
+
+programs = st.lists(
+    st.tuples(st.booleans(), st.integers(min_value=1, max_value=64), st.integers(min_value=0, max_value=10**6)),
+    max_size=120,
+)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@given(program=programs)
+def test_placements_never_overlap_and_frees_coalesce(rule, program):
+    space, live, peak = AddressSpace(rule), {}, 0
+    for alloc, size, pick in program:
+        if alloc or not live:
+            at = space.place(size)
+            assert all(at + size <= start or start + length <= at for start, length in live.items())
+            live[at] = size
+            peak = max(peak, sum(live.values()))
+        else:
+            at = sorted(live)[pick % len(live)]
+            space.free(at, live.pop(at))
+        assert max((start + length for start, length in live.items()), default=0) <= space.top <= space.high_water
+        # The holes are exactly the free space below the top, coalesced.
+        covered = sorted([(s, s + n) for s, n in live.items()] + [(s, s + n) for s, n in space.holes])
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(covered))
+        assert all(a + n < b for (a, n), (b, _) in pairwise(space.holes))
+        assert sum(n for _, n in space.holes) + sum(live.values()) == space.top
+    assert space.high_water >= peak
+    for at, size in list(live.items()):
+        space.free(at, size)
+    assert (space.holes, space.top) == ([], 0)
+
+
+def test_high_waters_count_only_the_large_range_blocks():
+    events = [
+        Event("alloc", 1, 4 * MiB, 0, 0.0),
+        Event("alloc", 2, 256 << 10, 0, 0.0),  # tiny: the default's small range
+        Event("alloc", 3, 1 * MiB, 0, 0.0),
+        Event("free", 1, 4 * MiB, 0, 0.0),
+        Event("alloc", 4, 5 * MiB, 0, 0.0),
+    ]
+    peak, waters = placement_bound.high_waters(events)
+    assert peak == 6 * MiB
+    assert waters == dict.fromkeys(RULES, 10 * MiB)
+
+
+@pytest.mark.skipif(not (SHARED / "traces").is_dir(), reason="../shared is absent")
+def test_no_rule_keeps_bert_serve_varbatch_under_goal_1s_peak_bound():
+    trace = load(SHARED / "traces" / "bert_serve_varbatch.csv.gz")
+    least = replay(trace, "strategy:default", min_capacity=True).min_capacity_bytes
+    _, waters = placement_bound.high_waters(trace)
+    assert min(waters.values()) > 1.01 * least + 20 * MiB
