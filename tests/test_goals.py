@@ -4,21 +4,16 @@ benches/goals_table.py, which prints the goals' table in BENCHMARKS.md, judges r
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import bench_scripts
 import pytest
 
 from gpupool.trace import load, replay
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-BENCHES = Path(__file__).parent.parent / "benches"
-_spec = importlib.util.spec_from_file_location("goals_table", BENCHES / "goals_table.py")
-goals_table = importlib.util.module_from_spec(_spec)
-sys.modules["goals_table"] = goals_table
-_spec.loader.exec_module(goals_table)
+goals_table = bench_scripts.load("goals_table")
 
 MiB = 1 << 20
 FILES = sorted((SHARED / "traces").glob("*.csv.gz")) + sorted((SHARED / "snapshots").glob("*.pickle"))

@@ -9,13 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench_scripts
 import pytest
 
 BENCHES = Path(__file__).parent.parent / "benches"
-_spec = importlib.util.spec_from_file_location("gpu_bench", BENCHES / "gpu_bench.py")
-gpu_bench = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_bench"] = gpu_bench  # dataclasses look their module up while it loads
-_spec.loader.exec_module(gpu_bench)
+gpu_bench = bench_scripts.load("gpu_bench")
 
 
 def test_the_article_workloads():
@@ -100,9 +98,7 @@ def test_gpu_check_needs_a_wheel(tmp_path):
     assert done.returncode == 2 and "no gpupool wheel" in done.stderr
 
 
-_check_spec = importlib.util.spec_from_file_location("gpu_check", BENCHES / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(_check_spec)
-_check_spec.loader.exec_module(gpu_check)
+gpu_check = bench_scripts.load("gpu_check")
 
 
 def test_training_runs_must_agree_exactly():

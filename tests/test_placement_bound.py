@@ -4,11 +4,10 @@ holds. And the claim BENCHMARKS.md makes with it on bert_serve_varbatch."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from itertools import pairwise
 from pathlib import Path
 
+import bench_scripts
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,11 +15,7 @@ from hypothesis import strategies as st
 from gpupool.trace import Event, load, replay
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-BENCHES = Path(__file__).parent.parent / "benches"
-_spec = importlib.util.spec_from_file_location("placement_bound", BENCHES / "placement_bound.py")
-placement_bound = importlib.util.module_from_spec(_spec)
-sys.modules["placement_bound"] = placement_bound
-_spec.loader.exec_module(placement_bound)
+placement_bound = bench_scripts.load("placement_bound")
 AddressSpace, RULES = placement_bound.AddressSpace, placement_bound.RULES
 
 MiB = 1 << 20
