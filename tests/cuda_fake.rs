@@ -99,15 +99,24 @@ impl Fake {
         current
     }
 
+    /// The driver's handle for device `ordinal` (not necessarily the ordinal itself).
+    fn device(&self, ordinal: i32) -> i32 {
+        let mut device = 0i32;
+        // SAFETY: `cuDeviceGet` writes one device handle.
+        let get: extern "C" fn(*mut i32, i32) -> i32 = unsafe { std::mem::transmute(self.symbol("cuDeviceGet")) };
+        assert_eq!(get(&mut device, ordinal), 0);
+        device
+    }
+
     /// Makes device `ordinal`'s primary context current on this thread, as a framework using the
     /// device would (kernels are launched and captures begun in a context).
     fn use_primary_context(&self, ordinal: i32) {
-        let mut context = 0u64;
+        let (device, mut context) = (self.device(ordinal), 0u64);
         // SAFETY: `cuDevicePrimaryCtxRetain` writes one handle; the retain is never released,
         // like a framework's.
         let retain: extern "C" fn(*mut u64, i32) -> i32 =
             unsafe { std::mem::transmute(self.symbol("cuDevicePrimaryCtxRetain")) };
-        assert_eq!(retain(&mut context, ordinal), 0);
+        assert_eq!(retain(&mut context, device), 0);
         self.set_current_context(context);
     }
 
@@ -115,6 +124,33 @@ impl Fake {
         // SAFETY: `cuCtxSetCurrent` takes one handle.
         let f: extern "C" fn(u64) -> i32 = unsafe { std::mem::transmute(self.symbol("cuCtxSetCurrent")) };
         assert_eq!(f(context), 0);
+    }
+
+    /// A blocking stream (flags 0) of the current context, as a framework may make one: the
+    /// legacy stream is ordered with it.
+    fn blocking_stream(&self) -> u64 {
+        let mut stream = 0u64;
+        // SAFETY: `cuStreamCreate` writes one stream handle; flags 0 is a blocking stream.
+        let f: extern "C" fn(*mut u64, u32) -> i32 = unsafe { std::mem::transmute(self.symbol("cuStreamCreate")) };
+        assert_eq!(f(&mut stream, 0), 0);
+        stream
+    }
+
+    /// Destroys a stream made with [`Fake::blocking_stream`], as its owner would.
+    fn destroy_stream(&self, stream: u64) {
+        // SAFETY: `cuStreamDestroy_v2` takes one stream handle.
+        let f: extern "C" fn(u64) -> i32 = unsafe { std::mem::transmute(self.symbol("cuStreamDestroy_v2")) };
+        assert_eq!(f(stream), 0);
+    }
+
+    /// Device memory in use on the current context's device, as the driver counts it.
+    fn used(&self) -> usize {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: `cuMemGetInfo_v2` writes two sizes.
+        let f: extern "C" fn(*mut usize, *mut usize) -> i32 =
+            unsafe { std::mem::transmute(self.symbol("cuMemGetInfo_v2")) };
+        assert_eq!(f(&mut free, &mut total), 0);
+        total - free
     }
 
     /// Starts (`true`) a relaxed-mode capture on a stream (other streams may still allocate
@@ -404,9 +440,50 @@ fn the_async_backend_orders_segments_on_their_stream() {
     // SAFETY: as above.
     let get_attribute: extern "C" fn(u64, i32, *mut u64) -> i32 =
         unsafe { std::mem::transmute(fake.symbol("cuMemPoolGetAttribute")) };
-    assert_eq!(get_pool(&mut mempool, 0), 0);
+    assert_eq!(get_pool(&mut mempool, fake.device(0)), 0);
     assert_eq!(get_attribute(mempool, 4, &mut threshold), 0);
     assert_eq!(threshold, u64::MAX, "the driver's pool keeps what it caches");
+}
+
+/// While a blocking stream captures, the driver calls the legacy stream unusable (its capture
+/// query fails with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and work queued there invalidates the
+/// capture). The pool counts it as capturing: it records no fence there for its frees, and
+/// refuses to allocate on it with its own error.
+#[test]
+fn a_blocking_streams_capture_leaves_the_legacy_stream_alone() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch").unwrap());
+    let side = pool.create_stream().unwrap();
+    let a = pool.alloc_on(MIB, DEFAULT_STREAM).unwrap();
+    pool.free(a.handle).unwrap();
+    let blocking = fake.blocking_stream();
+    assert!(fake.capture(blocking, true));
+    // Not cached for `side`: other streams' frees would get fences first.
+    pool.alloc_on(4 * MIB, side).unwrap();
+    let refused = pool.alloc_on(MIB, DEFAULT_STREAM).unwrap_err();
+    assert!(refused.to_string().contains("captured into a CUDA graph"), "{refused}");
+    assert!(fake.capture(blocking, false), "gpupool used the legacy stream during the capture");
+    pool.alloc_on(MIB, DEFAULT_STREAM).unwrap();
+    pool.check_invariants().unwrap();
+}
+
+/// At teardown every segment goes back, even one allocated on an imported stream that its owner
+/// has destroyed since: after waiting for the context, a plain free names no stream.
+#[test]
+fn teardown_frees_segments_whose_stream_is_gone() {
+    let (cuda, _turn) = open();
+    drop(cuda);
+    let fake = fake();
+    let before = fake.used();
+    let raw = fake.blocking_stream();
+    let mut cuda = Cuda::open(0, CudaMode::Async, None).unwrap();
+    let imported = cuda.import_stream(raw).unwrap();
+    cuda.allocate_on(4 * MIB, imported).unwrap();
+    assert_eq!(fake.used(), before + 4 * MIB as usize);
+    fake.destroy_stream(raw);
+    drop(cuda);
+    assert_eq!(fake.used(), before, "the segment leaked");
 }
 
 #[test]

@@ -48,8 +48,9 @@ def current_context():
 def use_context(ordinal=0):
     # What a framework does before it launches work: make the device's primary context current.
     assert gpupool.device_count() > ordinal  # also initializes the driver
-    context = ctypes.c_void_p()
-    assert driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), ordinal) == 0
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    assert driver().cuDeviceGet(ctypes.byref(device), ordinal) == 0
+    assert driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
     assert driver().cuCtxSetCurrent(context) == 0
     return context.value
 

@@ -157,6 +157,13 @@ def test_failing_init_is_reported(fake):
     assert result["count"] == 0
 
 
+def test_a_stub_driver_is_named(fake):
+    # The toolkit's lib64/stubs/libcuda.so answers every call with CUDA_ERROR_STUB_LIBRARY (34).
+    result = fake_driver.run(OPEN_AND_REPORT, fake, init_error=34)
+    assert "stub libcuda" in result["error"] and "LD_LIBRARY_PATH" in result["error"]
+    assert not result["available"] and result["default"] == "host"
+
+
 def test_missing_core_symbol_is_named(build_fake):
     result = fake_driver.run(OPEN_AND_REPORT, build_fake("cuMemGetInfo_v2"))
     assert "lacks cuMemGetInfo_v2" in result["error"]
@@ -178,6 +185,22 @@ def test_missing_async_symbol_only_disables_async_mode(build_fake):
         build_fake("cuMemAllocAsync"),
     )
     assert "lacks cuMemAllocAsync" in result["error"]
+
+
+def test_importing_pages_without_virtual_memory_calls_is_an_error(build_fake):
+    result = fake_driver.run(
+        """
+        import os
+        try:
+            _native._import_pages(0, os.getpid(), [(0, 2 << 20)])
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        report(error=error)
+        """,
+        build_fake("cuMemAddressReserve"),
+    )
+    assert "lacks cuMemAddressReserve" in result["error"]
 
 
 def test_device_numbers_and_modes(fake):
@@ -559,6 +582,110 @@ def test_an_unreachable_peer_is_named(fake):
         device_count=2,
     )
     assert "peer_access: cuda:3 cannot access cuda:0" in result["error"]
+
+
+def test_exported_pages_map_in_another_range_until_closed(fake):
+    # The fake keeps each range's bytes apart, so only the mappings are checked, not the data.
+    result = fake_driver.run(
+        """
+        import os
+        lib = driver()
+        lib.fake_cuda_mappings.restype = ctypes.c_ulonglong
+        pool = gpupool.Pool("cuda:0", config="strategy:pages,shareable_handle:posix_fd")
+        ptr = pool.alloc(3 << 20)
+        pid, pages, offset = _native._export_pages(pool, ptr.ptr, 3 << 20)
+        mapped = lib.fake_cuda_mappings()
+        imported = _native._import_pages(0, pid, pages)
+        added = lib.fake_cuda_mappings() - mapped
+        imported.close()
+        for fd, _ in pages:
+            os.close(fd)
+        report(pid=pid == os.getpid(), sizes=[size for _, size in pages], offset=offset, added=added,
+               apart=imported.base != ptr.ptr - offset, left=lib.fake_cuda_mappings() - mapped,
+               violations=violations())
+        """,
+        fake,
+    )
+    assert result["pid"] and result["sizes"] == [2 << 20, 2 << 20], "one descriptor per 2 MiB page"
+    assert result["offset"] == 0 and result["apart"]
+    assert (result["added"], result["left"], result["violations"]) == (2, 0, 0)
+
+
+def test_a_failed_release_leaks_no_descriptor_and_no_mapping(fake):
+    # cuMemRelease failing after an export or an import map: the descriptor is closed, the
+    # mapping undone (else the range could not be freed).
+    result = fake_driver.run(
+        """
+        import os
+        lib = driver()
+        lib.fake_cuda_mappings.restype = ctypes.c_ulonglong
+        pool = gpupool.Pool("cuda:0", config="strategy:pages,shareable_handle:posix_fd")
+        ptr = pool.alloc(2 << 20)
+        def failing_next_release(call):
+            os.environ["FAKE_CUDA_FAIL_RELEASE"] = str(calls("cuMemRelease") + 1)
+            try:
+                call()
+                return None
+            except RuntimeError as e:
+                return str(e)
+        descriptors = len(os.listdir("/proc/self/fd"))
+        export_error = failing_next_release(lambda: _native._export_pages(pool, ptr.ptr, 2 << 20))
+        leaked = len(os.listdir("/proc/self/fd")) - descriptors
+        pid, pages, offset = _native._export_pages(pool, ptr.ptr, 2 << 20)
+        mapped = lib.fake_cuda_mappings()
+        import_error = failing_next_release(lambda: _native._import_pages(0, pid, pages))
+        report(export_error=export_error, leaked=leaked, import_error=import_error,
+               left=lib.fake_cuda_mappings() - mapped)
+        """,
+        fake,
+    )
+    assert "cuMemRelease" in result["export_error"] and result["leaked"] == 0
+    assert "cuMemRelease" in result["import_error"] and result["left"] == 0
+
+
+PEER_ACCESS = """
+def attempt(config):
+    try:
+        gpupool.Pool("cuda:0", config=config).alloc(1 << 20)
+        return None
+    except RuntimeError as e:
+        return str(e)
+report(error=attempt("peer_access:[1]"), with_self=attempt("peer_access:[0,1]"),
+       checks=calls("cuDeviceCanAccessPeer"))
+"""
+
+
+def test_peer_access_asks_whether_the_peer_reaches_this_device(fake):
+    # Device handles are not ordinals in the fake, and access may be one-way.
+    peer_cannot_reach = fake_driver.run(PEER_ACCESS, fake, device_count=2, no_peer="1:0")
+    this_cannot_reach = fake_driver.run(PEER_ACCESS, fake, device_count=2, no_peer="0:1")
+    assert "peer_access: cuda:1 cannot access cuda:0" in peer_cannot_reach["error"]
+    assert this_cannot_reach["error"] is None and this_cannot_reach["with_self"] is None
+    # The device itself always reaches its memory: it is not asked about.
+    assert this_cannot_reach["checks"] == 2
+
+
+def test_a_device_without_the_drivers_features_is_named(fake):
+    snippet = """
+    def attempt(make):
+        try:
+            make()
+            return None
+        except (RuntimeError, NotImplementedError) as e:
+            return str(e)
+    report(paged=attempt(lambda: gpupool.Pool("cuda:0").alloc(1 << 20)),
+           plain=attempt(lambda: gpupool.Pool("cuda:0", config="strategy:pytorch").alloc(1 << 20)),
+           shared=attempt(lambda: gpupool.Pool("cuda:0", config="shareable_handle:posix_fd").alloc(1 << 20)),
+           stream_ordered=attempt(lambda: gpupool.Device("cuda:0", mode="async")),
+           creates=calls("cuMemCreate"))
+    """
+    no_vmm = fake_driver.run(snippet, fake, no_vmm=1)
+    assert "virtual memory management" in no_vmm["paged"] and no_vmm["plain"] is None
+    assert no_vmm["creates"] == 0, "no cuMemCreate on a device without virtual memory management"
+    no_fd = fake_driver.run(snippet, fake, no_posix_fd=1)
+    assert no_fd["paged"] is None and "POSIX file descriptors" in no_fd["shared"]
+    no_pools = fake_driver.run(snippet, fake, no_mempools=1)
+    assert no_pools["paged"] is None and "stream-ordered memory pools" in no_pools["stream_ordered"]
 
 
 @pytest.mark.parametrize("config", ["", "strategy:expandable", "strategy:pytorch", "backend:cudaMallocAsync"])

@@ -122,7 +122,11 @@ impl Cuda {
         // SAFETY: the context is current; both pointers are valid for one write.
         check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
         if mode == Mode::Async {
-            keep_driver_pool_cache(ordinal)?;
+            let pools = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
+            if !context.supports(pools)? {
+                return Err(DeviceError::Unsupported("stream-ordered memory pools, which cuda async mode needs"));
+            }
+            keep_driver_pool_cache(context.device())?;
         }
         let mut streams = HashMap::new();
         streams.insert(DEFAULT_STREAM, RawStream { handle: 0, owned: false });
@@ -195,10 +199,10 @@ impl Cuda {
 /// driver at every synchronization (its default threshold is 0), as PyTorch's
 /// `backend:cudaMallocAsync` does: otherwise the `async` baseline pays for re-allocation that no
 /// caching allocator pays, and comparisons against it are unfair.
-fn keep_driver_pool_cache(ordinal: i32) -> Result<(), DeviceError> {
+fn keep_driver_pool_cache(device: sys::CUdevice) -> Result<(), DeviceError> {
     let mut pool = std::ptr::null_mut();
-    // SAFETY: the ordinal was validated by `Context::retain`; one pointer written.
-    check("cuDeviceGetDefaultMemPool", unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal) })?;
+    // SAFETY: a device handle from `cuDeviceGet`; one pointer written.
+    check("cuDeviceGetDefaultMemPool", unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, device) })?;
     let mut threshold = u64::MAX;
     let attribute = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
     // SAFETY: the attribute takes a cuuint64_t, which `threshold` is, for the call's duration.
@@ -402,7 +406,12 @@ impl Device for Cuda {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: a live stream of this context; one status written. Unlike a query, asking about
         // capture is allowed during capture.
-        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(raw, &mut status) })?;
+        match unsafe { sys::cuStreamIsCapturing(raw, &mut status) } {
+            // The legacy default stream, while a blocking stream of the context captures: the
+            // driver calls it unusable until that capture ends, so it counts as capturing.
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => return Ok(true),
+            code => check("cuStreamIsCapturing", code)?,
+        }
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
@@ -466,8 +475,11 @@ impl Drop for Cuda {
             return;
         }
         let Ok(_current) = self.context.enter() else { return };
-        for (&address, &segment) in &self.live {
-            let _ = self.free_segment(address, segment);
+        // After the wait, plain cuMemFree returns stream-ordered memory too, without naming a
+        // stream: an imported one may be gone by now.
+        for &address in self.live.keys() {
+            // SAFETY: live allocations of ours, each freed once, with no work left on them.
+            let _ = unsafe { sys::cuMemFree_v2(address) };
         }
         self.reservations.release_all();
         for raw in self.streams.values().filter(|raw| raw.owned) {

@@ -13,7 +13,10 @@
  *     allocations it was given. Each breach is a violation (fake_cuda_violations);
  *   - stream capture: queries and synchronization of a capturing stream, and unsafe calls
  *     (synchronous allocation, copies, frees, mapping) during a global-mode capture, fail with
- *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture;
+ *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture; while a blocking stream
+ *     captures, the legacy stream is unusable (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+ *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
+ *     ordinals;
  *   - virtual memory: sizes and addresses aligned to the granularity the driver reports, mapping
  *     only unmapped pages, cuMemUnmap of whole mappings only, access set on fully mapped ranges,
  *     address ranges freed only when nothing in them is mapped, exports only of handles created
@@ -28,6 +31,12 @@
  *   FAKE_CUDA_INIT_ERROR       a status cuInit returns instead of success (e.g. 100, no device)
  *   FAKE_CUDA_GRANULARITY      the mapping granularity (default 2 MiB)
  *   FAKE_CUDA_FAIL_UNMAP       fail the Nth cuMemUnmap from now on (1 = the next one)
+ *   FAKE_CUDA_FAIL_RELEASE     fail the process's Nth cuMemRelease (read at each call, so a test
+ *                              may set it as it goes); the handle stays retained
+ *   FAKE_CUDA_NO_PEER          "A:B,..." pairs of ordinals: device A cannot access device B's memory
+ *   FAKE_CUDA_NO_VMM, FAKE_CUDA_NO_POSIX_FD, FAKE_CUDA_NO_MEMPOOLS   (set to 1) the device reports
+ *                              no virtual memory management, no POSIX descriptor export, no
+ *                              stream-ordered pool (cuDeviceGetAttribute)
  * A missing symbol is made at build time, by hiding it with a linker version script. */
 
 #define _GNU_SOURCE
@@ -56,14 +65,19 @@ enum {
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
 };
 
 #define MAX_DEVICES 8
 #define MAX_ITEMS 4096
 #define MAX_DEPS 64
 #define LEGACY ((struct stream *)&legacy)
+/* Device handles are not ordinals here (the driver API never promises they are): a handle passed
+ * where an ordinal belongs, or the other way round, is an invalid device. */
+#define DEVICE_HANDLE_BASE 0x100
 
 /* ---- the driver's objects ----
  * Handles given out are pointers to these; every handle passed in is looked up in a registry
@@ -173,6 +187,14 @@ static void violation(const char *what, uintptr_t address, size_t size) {
 /* How many ordering or lifetime rules were broken so far, and the latest one in words. */
 unsigned long long fake_cuda_violations(void) { return violation_count; }
 const char *fake_cuda_last_violation(void) { return last_violation; }
+
+/* How many mappings exist (cuMemMap'd ranges not unmapped yet). */
+unsigned long long fake_cuda_mappings(void) {
+    pthread_mutex_lock(&lock);
+    unsigned long long n = (unsigned long long)mapping_count;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
 
 /* Every driver entry point: count it, take the lock, require cuInit (and a context) first. */
 #define ENTER(need_context)                                                    \
@@ -388,6 +410,19 @@ static int capture_forbids_unsafe_calls(void) {
     return 1;
 }
 
+/* While a blocking stream captures, the legacy stream is unusable: asking about it fails, and
+ * work queued on it (`use`) also invalidates those captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT). */
+static int legacy_unusable(struct stream *s, int use) {
+    if (s != LEGACY) return 0;
+    int blocked = 0;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i] && streams[i]->capturing && !(streams[i]->flags & 1)) {
+            if (use) invalidate_capture(streams[i]);
+            blocked = 1;
+        }
+    return blocked;
+}
+
 /* ---- test controls ---- */
 
 /* Queues a kernel on `stream` that writes `tag` over [address, address + size) when it runs. It
@@ -430,12 +465,10 @@ unsigned long long fake_cuda_pending(void *stream) {
 /* ---- initialization, devices, contexts ---- */
 
 CUresult cuDriverGetVersion(int *version) {
-    pthread_mutex_lock(&lock);
-    count(__func__);
-    pthread_mutex_unlock(&lock);
-    if (!version) return CUDA_ERROR_INVALID_VALUE;
+    ENTER(0);
+    if (!version) FAIL(CUDA_ERROR_INVALID_VALUE);
     *version = (int)env_number("FAKE_CUDA_DRIVER_VERSION", 13000);
-    return CUDA_SUCCESS;
+    LEAVE;
 }
 
 CUresult cuInit(unsigned int flags) {
@@ -455,38 +488,76 @@ CUresult cuDeviceGetCount(int *n) {
     LEAVE;
 }
 
-static int device_ok(CUdevice device) { return device >= 0 && device < device_count() && device < MAX_DEVICES; }
+/* Whether `ordinal` names a device (memory locations take ordinals). */
+static int device_ok(int ordinal) { return ordinal >= 0 && ordinal < device_count() && ordinal < MAX_DEVICES; }
+
+/* The ordinal of device handle `device`, or -1 when it is not one cuDeviceGet gives out. */
+static int ordinal_of(CUdevice device) {
+    return device_ok(device - DEVICE_HANDLE_BASE) ? device - DEVICE_HANDLE_BASE : -1;
+}
 
 CUresult cuDeviceGet(CUdevice *device, int ordinal) {
     ENTER(0);
     if (!device) FAIL(CUDA_ERROR_INVALID_VALUE);
     if (!device_ok(ordinal)) FAIL(CUDA_ERROR_INVALID_DEVICE);
-    *device = ordinal;
+    *device = ordinal + DEVICE_HANDLE_BASE;
     LEAVE;
 }
 
+/* Whether FAKE_CUDA_NO_PEER lists "from:to". */
+static int peer_refused(int from, int to) {
+    const char *list = getenv("FAKE_CUDA_NO_PEER");
+    for (const char *at = list; at && *at;) {
+        int a, b, used;
+        if (sscanf(at, "%d:%d%n", &a, &b, &used) != 2) break;
+        if (a == from && b == to) return 1;
+        at += used;
+        if (*at == ',') at++;
+    }
+    return 0;
+}
+
+/* Whether contexts on `device` can access memory on `peer` (device handles both). */
 CUresult cuDeviceCanAccessPeer(int *can, CUdevice device, CUdevice peer) {
     ENTER(0);
+    int from = ordinal_of(device), to = ordinal_of(peer);
     if (!can) FAIL(CUDA_ERROR_INVALID_VALUE);
-    if (!device_ok(device) || !device_ok(peer)) FAIL(CUDA_ERROR_INVALID_DEVICE);
-    *can = device != peer;
+    if (from < 0 || to < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    *can = from != to && !peer_refused(from, to);
+    LEAVE;
+}
+
+/* The three yes/no attributes gpupool asks about; the others are not modelled. */
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
+    ENTER(0);
+    if (!value) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (ordinal_of(device) < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    switch (attribute) {
+    case 102: *value = !env_number("FAKE_CUDA_NO_VMM", 0); break;      /* virtual memory management */
+    case 103: *value = !env_number("FAKE_CUDA_NO_POSIX_FD", 0); break; /* POSIX descriptor export */
+    case 115: *value = !env_number("FAKE_CUDA_NO_MEMPOOLS", 0); break; /* stream-ordered pools */
+    default: FAIL(CUDA_ERROR_INVALID_VALUE);
+    }
     LEAVE;
 }
 
 CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice device) {
     ENTER(0);
+    int ordinal = ordinal_of(device);
     if (!ctx) FAIL(CUDA_ERROR_INVALID_VALUE);
-    if (!device_ok(device)) FAIL(CUDA_ERROR_INVALID_DEVICE);
-    contexts[device].device = device;
-    contexts[device].retains++;
-    *ctx = &contexts[device];
+    if (ordinal < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    contexts[ordinal].device = ordinal;
+    contexts[ordinal].retains++;
+    *ctx = &contexts[ordinal];
     LEAVE;
 }
 
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     ENTER(0);
-    if (device < 0 || device >= MAX_DEVICES || contexts[device].retains == 0) FAIL(CUDA_ERROR_INVALID_CONTEXT);
-    contexts[device].retains--;
+    int ordinal = ordinal_of(device);
+    if (ordinal < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    if (contexts[ordinal].retains == 0) FAIL(CUDA_ERROR_INVALID_CONTEXT);
+    contexts[ordinal].retains--;
     LEAVE;
 }
 
@@ -566,6 +637,7 @@ CUresult cuMemAllocAsync(CUdeviceptr *out, size_t size, void *stream) {
     ENTER(1);
     struct stream *s = stream_of(stream);
     if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     status = allocate(out, size);
     LEAVE;
 }
@@ -575,6 +647,7 @@ CUresult cuMemFreeAsync(CUdeviceptr address, void *stream) {
     struct stream *s = stream_of(stream);
     struct allocation *a = allocation_holding(address);
     if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     if (!a || a->address != address) FAIL(CUDA_ERROR_INVALID_VALUE);
     enqueue(s, new_op(OP_FREE, address, a->size));
     advance();
@@ -583,10 +656,12 @@ CUresult cuMemFreeAsync(CUdeviceptr address, void *stream) {
 
 CUresult cuDeviceGetDefaultMemPool(struct mempool **pool, CUdevice device) {
     ENTER(0);
+    int ordinal = ordinal_of(device);
     if (!pool) FAIL(CUDA_ERROR_INVALID_VALUE);
-    if (!device_ok(device)) FAIL(CUDA_ERROR_INVALID_DEVICE);
-    mempools[device].device = device;
-    *pool = &mempools[device];
+    if (ordinal < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    if (env_number("FAKE_CUDA_NO_MEMPOOLS", 0)) FAIL(CUDA_ERROR_NOT_SUPPORTED);
+    mempools[ordinal].device = ordinal;
+    *pool = &mempools[ordinal];
     LEAVE;
 }
 
@@ -641,6 +716,7 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t size) {
 static CUresult copy_async(uintptr_t device, void *host, size_t size, int to_device, void *stream) {
     struct stream *s = stream_of(stream);
     if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    if (legacy_unusable(s, 1)) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
     if (!host || !range_ok(device, size)) return CUDA_ERROR_INVALID_VALUE;
     struct op *op = new_op(OP_COPY, device, size);
     op->host = host;
@@ -717,6 +793,7 @@ CUresult cuStreamQuery(void *handle) {
     ENTER(1);
     struct stream *s = stream_of(handle);
     if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     if (s->capturing) { invalidate_capture(s); FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); }
     advance();
     if (s->completed < s->enqueued) FAIL(CUDA_ERROR_NOT_READY);
@@ -727,6 +804,7 @@ CUresult cuStreamSynchronize(void *handle) {
     ENTER(1);
     struct stream *s = stream_of(handle);
     if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     if (s->capturing) { invalidate_capture(s); FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); }
     run_until(s, s->enqueued);
     LEAVE;
@@ -737,6 +815,7 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
     struct stream *s = stream_of(handle);
     if (!s || find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (flags != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     struct op *op = new_op(OP_MARK, 0, 0);
     if (e->stream) add_dependency(op, e->stream, e->seq);
     enqueue(s, op);
@@ -776,6 +855,7 @@ CUresult cuStreamIsCapturing(void *handle, int *capture_status) {
     struct stream *s = stream_of(handle);
     if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (!capture_status) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (legacy_unusable(s, 0)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     *capture_status = s->capturing ? (s->capture_invalid ? 2 : 1) : 0;
     LEAVE;
 }
@@ -796,6 +876,7 @@ CUresult cuEventRecord(struct event *e, void *handle) {
     ENTER(1);
     struct stream *s = stream_of(handle);
     if (find((void **)events, e) < 0 || !s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     e->captured = s->capturing;
     e->stream = s;
     e->seq = s->capturing ? 0 : enqueue(s, new_op(OP_MARK, 0, 0));
@@ -923,10 +1004,13 @@ static struct physical *physical_of(CUmemGenericAllocationHandle handle) {
     return find((void **)physicals, p) >= 0 && p->retains > 0 ? p : NULL;
 }
 
+static unsigned long long releases;
+
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     ENTER(0);
     struct physical *p = physical_of(handle);
     if (!p) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (++releases == (unsigned long long)env_number("FAKE_CUDA_FAIL_RELEASE", 0)) FAIL(CUDA_ERROR_INVALID_VALUE);
     p->retains--;
     maybe_destroy(p);
     LEAVE;

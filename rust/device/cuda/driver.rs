@@ -18,6 +18,7 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuDriverGetVersion",
     "cuDeviceGet",
     "cuDeviceGetCount",
+    "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
@@ -93,6 +94,17 @@ fn probe_uncached() -> Result<DriverInfo, String> {
             .into());
     }
     find_symbols(CORE_SYMBOLS)?;
+    // cuInit comes before any other driver call, the version query included (the driver API's
+    // initialization rule). It takes flags 0 and may be called any number of times.
+    // SAFETY: the symbol exists (checked above); no pointers.
+    match unsafe { sys::cuInit(0) } {
+        CUresult::CUDA_ERROR_STUB_LIBRARY => {
+            return Err("a stub libcuda (the CUDA toolkit's lib64/stubs) was loaded instead of the NVIDIA driver's: \
+                        remove the stubs folder from LD_LIBRARY_PATH"
+                .into())
+        }
+        code => check("cuInit", code).map_err(|e| format!("the CUDA driver failed to start: {e}"))?,
+    }
     let mut version = 0;
     // SAFETY: the symbol exists (checked above) and writes one int through a valid pointer.
     check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) }).map_err(|e| e.to_string())?;
@@ -104,8 +116,6 @@ fn probe_uncached() -> Result<DriverInfo, String> {
             version_text(MIN_DRIVER_VERSION)
         ));
     }
-    // SAFETY: cuInit takes flags 0 and may be called any number of times.
-    check("cuInit", unsafe { sys::cuInit(0) }).map_err(|e| format!("the CUDA driver failed to start: {e}"))?;
     let mut device_count = 0;
     // SAFETY: writes one int through a valid pointer, after cuInit succeeded.
     check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut device_count) }).map_err(|e| e.to_string())?;
@@ -189,6 +199,20 @@ impl Context {
 
     pub fn ordinal(&self) -> i32 {
         self.ordinal
+    }
+
+    /// The driver's handle for the device (what `cuDeviceGet` returned for the ordinal), which
+    /// calls taking a `CUdevice` need; memory locations take the ordinal instead.
+    pub fn device(&self) -> sys::CUdevice {
+        self.device
+    }
+
+    /// Whether the device reports `attribute` (a yes/no attribute) as supported.
+    pub fn supports(&self, attribute: sys::CUdevice_attribute) -> Result<bool, DeviceError> {
+        let mut value = 0;
+        // SAFETY: `device` is a valid device handle; one int written.
+        check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, self.device) })?;
+        Ok(value != 0)
     }
 
     /// Makes this context current on the calling thread until the returned guard drops, which

@@ -60,6 +60,10 @@ fn export_one(address: u64) -> Result<i32, DeviceError> {
     });
     // SAFETY: balances the retain; the mapping keeps the memory.
     let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+    if exported.is_ok() && released.is_err() {
+        // SAFETY: the descriptor the export just opened, which nobody else has seen.
+        unsafe { libc::close(fd) };
+    }
     exported.and(released).map(|()| fd)
 }
 
@@ -89,8 +93,13 @@ impl ImportedPages {
 /// Maps on `cuda:ordinal` the pages process `pid` exported as `pages` (its descriptors, with
 /// each mapping's size).
 pub fn import_pages(ordinal: i32, pid: u32, pages: &[(i32, u64)]) -> Result<ImportedPages, DeviceError> {
+    driver::require_symbols(driver::VMM_SYMBOLS, "virtual memory management")?;
     driver::require_symbols(IPC_SYMBOLS, "sharing pages between processes")?;
     let context = Context::retain(ordinal)?;
+    let vmm = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED;
+    if !context.supports(vmm)? {
+        return Err(DeviceError::Unsupported("virtual memory management, which importing pages needs"));
+    }
     let _current = context.enter()?;
     let size: u64 = pages.iter().map(|&(_, s)| s).sum();
     let mut base = 0;
@@ -134,6 +143,11 @@ fn map_imported(pidfd: i32, fd: i32, address: u64, len: u64) -> Result<(), Devic
     let mapped = check("cuMemMap", unsafe { sys::cuMemMap(address, len as usize, 0, handle, 0) });
     // SAFETY: as above.
     let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+    if mapped.is_ok() && released.is_err() {
+        // Not recorded as a mapping: undo it here, so the range can be freed.
+        // SAFETY: the mapping just made, unmapped once.
+        let _ = unsafe { sys::cuMemUnmap(address, len as usize) };
+    }
     mapped.and(released)
 }
 

@@ -31,8 +31,9 @@ pub struct Reservations {
     by_base: BTreeMap<u64, Reservation>,
     granularity: Option<u64>,
     options: MappingOptions,
-    /// Whether `options.peers` were found reachable (checked once, at the first map).
-    peers_checked: bool,
+    /// Whether the device was found to support `options` (POSIX descriptor export, each peer
+    /// reaching its memory): checked once, at the first map under them.
+    options_checked: bool,
 }
 
 impl Reservations {
@@ -90,10 +91,15 @@ fn allocation_properties(ordinal: i32, shareable: bool) -> sys::CUmemAllocationP
     }
 }
 
-/// Read/write access for `ordinal` and each of `peers`.
-pub(super) fn device_access(ordinal: i32, peers: &[i32]) -> Vec<sys::CUmemAccessDesc> {
+/// The devices of `peer_access` other than `ordinal` itself, which always has access.
+fn peers(ordinal: i32, listed: &[i32]) -> impl Iterator<Item = i32> + '_ {
+    listed.iter().copied().filter(move |&peer| peer != ordinal)
+}
+
+/// Read/write access for `ordinal` and each other device `listed`.
+pub(super) fn device_access(ordinal: i32, listed: &[i32]) -> Vec<sys::CUmemAccessDesc> {
     let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    let devices = std::iter::once(ordinal).chain(peers.iter().copied());
+    let devices = std::iter::once(ordinal).chain(peers(ordinal, listed));
     devices.map(|d| sys::CUmemAccessDesc { location: device_location(d), flags: rw }).collect()
 }
 
@@ -114,6 +120,12 @@ impl Cuda {
             return Ok(page);
         }
         driver::require_symbols(driver::VMM_SYMBOLS, "virtual memory management")?;
+        let vmm = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED;
+        if !self.context.supports(vmm)? {
+            return Err(DeviceError::Unsupported(
+                "virtual memory management, which paged strategies need (strategy:pytorch does not)",
+            ));
+        }
         let _current = self.context.enter()?;
         let prop = allocation_properties(self.ordinal(), self.reservations.options.shareable);
         let mut page = 0usize;
@@ -132,7 +144,7 @@ impl Cuda {
     /// Takes effect for memory mapped from now on.
     pub(super) fn mapping_options(&mut self, options: &MappingOptions) {
         self.reservations.options = options.clone();
-        self.reservations.peers_checked = false;
+        self.reservations.options_checked = false;
     }
 
     /// Reserves address space for `size` bytes (rounded up to the granularity); nothing is mapped.
@@ -191,18 +203,29 @@ impl Cuda {
     /// The access descriptors for mapped memory: this device, then each peer, read/write.
     fn access(&mut self) -> Result<Vec<sys::CUmemAccessDesc>, DeviceError> {
         let ordinal = self.ordinal();
-        if !self.reservations.peers_checked {
-            for &peer in &self.reservations.options.peers {
-                let mut can = 0;
-                // SAFETY: writes one int; the driver validates both ordinals.
-                let status = unsafe { sys::cuDeviceCanAccessPeer(&mut can, ordinal, peer) };
+        if !self.reservations.options_checked {
+            let posix_fd = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+            if self.reservations.options.shareable && !self.context.supports(posix_fd)? {
+                return Err(DeviceError::Unsupported(
+                    "exporting memory as POSIX file descriptors (shareable_handle:posix_fd)",
+                ));
+            }
+            for peer in peers(ordinal, &self.reservations.options.peers) {
+                let (mut peer_device, mut can) = (0, 0);
+                // SAFETY: writes one device handle; the driver validates the ordinal.
+                let mut status = unsafe { sys::cuDeviceGet(&mut peer_device, peer) };
+                if status == sys::CUresult::CUDA_SUCCESS {
+                    // Whether the peer's contexts can reach this device's memory (that way round).
+                    // SAFETY: writes one int; both are device handles from `cuDeviceGet`.
+                    status = unsafe { sys::cuDeviceCanAccessPeer(&mut can, peer_device, self.context.device()) };
+                }
                 if status != sys::CUresult::CUDA_SUCCESS || can == 0 {
                     return Err(DeviceError::Driver(format!(
                         "peer_access: cuda:{peer} cannot access cuda:{ordinal}'s memory ({status:?})"
                     )));
                 }
             }
-            self.reservations.peers_checked = true;
+            self.reservations.options_checked = true;
         }
         Ok(device_access(ordinal, &self.reservations.options.peers))
     }
