@@ -157,6 +157,15 @@ def test_failing_init_is_reported(fake):
     assert result["count"] == 0
 
 
+@pytest.mark.parametrize("status", [36, 919, 5000])
+def test_a_status_the_bindings_do_not_name_is_reported_by_number(fake, status):
+    # CUDA 13 drivers return statuses CUDA 12.8's bindings lack (36, 919); printing one as the
+    # bindings' enum crashed the interpreter.
+    result = fake_driver.run(OPEN_AND_REPORT, fake, init_error=status)
+    assert result["error"] == f"the CUDA driver failed to start: cuInit failed with CUDA error {status}"
+    assert not result["available"]
+
+
 def test_a_stub_driver_is_named(fake):
     # The toolkit's lib64/stubs/libcuda.so answers every call with CUDA_ERROR_STUB_LIBRARY (34).
     result = fake_driver.run(OPEN_AND_REPORT, fake, init_error=34)

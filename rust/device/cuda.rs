@@ -406,12 +406,13 @@ impl Device for Cuda {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: a live stream of this context; one status written. Unlike a query, asking about
         // capture is allowed during capture.
-        match unsafe { sys::cuStreamIsCapturing(raw, &mut status) } {
-            // The legacy default stream, while a blocking stream of the context captures: the
-            // driver calls it unusable until that capture ends, so it counts as capturing.
-            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => return Ok(true),
-            code => check("cuStreamIsCapturing", code)?,
+        let code = unsafe { sys::cuStreamIsCapturing(raw, &mut status) };
+        // The legacy default stream, while a blocking stream of the context captures: the driver
+        // calls it unusable until that capture ends, so it counts as capturing.
+        if driver::is(code, sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) {
+            return Ok(true);
         }
+        check("cuStreamIsCapturing", code)?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 

@@ -97,14 +97,13 @@ fn probe_uncached() -> Result<DriverInfo, String> {
     // cuInit comes before any other driver call, the version query included (the driver API's
     // initialization rule). It takes flags 0 and may be called any number of times.
     // SAFETY: the symbol exists (checked above); no pointers.
-    match unsafe { sys::cuInit(0) } {
-        CUresult::CUDA_ERROR_STUB_LIBRARY => {
-            return Err("a stub libcuda (the CUDA toolkit's lib64/stubs) was loaded instead of the NVIDIA driver's: \
-                        remove the stubs folder from LD_LIBRARY_PATH"
-                .into())
-        }
-        code => check("cuInit", code).map_err(|e| format!("the CUDA driver failed to start: {e}"))?,
+    let code = unsafe { sys::cuInit(0) };
+    if is(code, CUresult::CUDA_ERROR_STUB_LIBRARY) {
+        return Err("a stub libcuda (the CUDA toolkit's lib64/stubs) was loaded instead of the NVIDIA driver's: \
+                    remove the stubs folder from LD_LIBRARY_PATH"
+            .into());
     }
+    check("cuInit", code).map_err(|e| format!("the CUDA driver failed to start: {e}"))?;
     let mut version = 0;
     // SAFETY: the symbol exists (checked above) and writes one int through a valid pointer.
     check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) }).map_err(|e| e.to_string())?;
@@ -144,30 +143,64 @@ pub fn require_symbols(names: &[&str], feature: &str) -> Result<(), DeviceError>
         .map_err(|e| DeviceError::Driver(format!("{feature} unavailable: {e}")))
 }
 
+/// The statuses the bindings name (CUDA 12.8's `CUresult`). A newer driver returns others (CUDA
+/// 13 added some), which the bindings' enum then holds without a name: such a value must never
+/// be printed as the enum, whose formatting assumes a named one (a status of 36 crashed the
+/// interpreter that way).
+const NAMED_STATUSES: &[u32] = &[
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 34, 46, 100, 101, 102, 200, 201, 202, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214,
+    215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 300, 301, 302, 303, 304, 400, 401, 402, 500, 600, 700,
+    701, 702, 703, 704, 705, 708, 709, 710, 711, 712, 713, 714, 715, 716, 717, 718, 719, 720, 721, 800, 801, 802, 803,
+    804, 805, 806, 807, 808, 809, 810, 811, 812, 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 911, 912, 913,
+    914, 915, 916, 999,
+];
+
+/// A driver status as the number the driver returned. Read through memory, as a plain integer:
+/// a cast would let the compiler assume one of the named values and index tables by it.
+pub fn raw_status(code: CUresult) -> u32 {
+    // SAFETY: `CUresult` is `repr(u32)`: its bytes are a u32, read from a live local.
+    unsafe { std::ptr::read_volatile((&code as *const CUresult).cast::<u32>()) }
+}
+
+/// Whether `code` is `status`, compared as numbers (see [`raw_status`]).
+pub fn is(code: CUresult, status: CUresult) -> bool {
+    raw_status(code) == status as u32
+}
+
+/// A driver status in words: its name when the bindings know it, else its number.
+pub fn status_text(code: CUresult) -> String {
+    let raw = raw_status(code);
+    if NAMED_STATUSES.contains(&raw) {
+        format!("{code:?}")
+    } else {
+        format!("CUDA error {raw}")
+    }
+}
+
 /// A driver status as a `DeviceError` naming the call; never asks the driver for error text
 /// (that would be one more symbol that may be missing).
 pub fn check(call: &str, code: CUresult) -> Result<(), DeviceError> {
-    if code == CUresult::CUDA_SUCCESS {
+    if is(code, CUresult::CUDA_SUCCESS) {
         Ok(())
     } else {
-        Err(DeviceError::Driver(format!("{call} failed with {code:?}")))
+        Err(DeviceError::Driver(format!("{call} failed with {}", status_text(code))))
     }
 }
 
 /// Like [`check`], but an out-of-memory status becomes [`DeviceError::OutOfMemory`].
 pub fn check_alloc(call: &str, code: CUresult, requested: u64) -> Result<(), DeviceError> {
-    match code {
-        CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory { requested }),
-        code => check(call, code),
+    if is(code, CUresult::CUDA_ERROR_OUT_OF_MEMORY) {
+        return Err(DeviceError::OutOfMemory { requested });
     }
+    check(call, code)
 }
 
 /// `Ok(true)` when finished, `Ok(false)` for `CUDA_ERROR_NOT_READY`, else the error.
 pub fn check_ready(call: &str, code: CUresult) -> Result<bool, DeviceError> {
-    match code {
-        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        code => check(call, code).map(|()| true),
+    if is(code, CUresult::CUDA_ERROR_NOT_READY) {
+        return Ok(false);
     }
+    check(call, code).map(|()| true)
 }
 
 /// A device's primary context (the one the CUDA runtime, PyTorch and CuPy share), retained for

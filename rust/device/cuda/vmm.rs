@@ -214,14 +214,15 @@ impl Cuda {
                 let (mut peer_device, mut can) = (0, 0);
                 // SAFETY: writes one device handle; the driver validates the ordinal.
                 let mut status = unsafe { sys::cuDeviceGet(&mut peer_device, peer) };
-                if status == sys::CUresult::CUDA_SUCCESS {
+                if driver::is(status, sys::CUresult::CUDA_SUCCESS) {
                     // Whether the peer's contexts can reach this device's memory (that way round).
                     // SAFETY: writes one int; both are device handles from `cuDeviceGet`.
                     status = unsafe { sys::cuDeviceCanAccessPeer(&mut can, peer_device, self.context.device()) };
                 }
-                if status != sys::CUresult::CUDA_SUCCESS || can == 0 {
+                if !driver::is(status, sys::CUresult::CUDA_SUCCESS) || can == 0 {
                     return Err(DeviceError::Driver(format!(
-                        "peer_access: cuda:{peer} cannot access cuda:{ordinal}'s memory ({status:?})"
+                        "peer_access: cuda:{peer} cannot access cuda:{ordinal}'s memory ({})",
+                        driver::status_text(status)
                     )));
                 }
             }
