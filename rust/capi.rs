@@ -225,7 +225,9 @@ pub extern "C-unwind" fn gpupool_torch_alloc(size: isize, device: c_int, stream:
         Ok(Err(e)) => e,
         Err(_) => AllocError { out_of_memory: false, text: "gpupool_torch_alloc panicked".into() },
     };
-    let prefix = if error.out_of_memory { "CUDA out of memory (gpupool): " } else { "gpupool: " };
+    // PyTorch's own message starts "CUDA out of memory.", and tools that retry with a smaller
+    // batch (accelerate's find_executable_batch_size) look for exactly that.
+    let prefix = if error.out_of_memory { "CUDA out of memory. gpupool: " } else { "gpupool: " };
     let message = CString::new(format!("{prefix}{}", error.text).replace('\0', " ")).unwrap_or_default();
     remember_error(error.text);
     // SAFETY: the thrower copies the message before throwing; `message` is dropped while the
@@ -249,6 +251,21 @@ pub extern "C" fn gpupool_free(ptr: *mut c_void, _size: isize, device: c_int, _s
 #[no_mangle]
 pub extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(|| record_stream(ptr as u64, stream as u64))) {
+        remember_error(e);
+    }
+}
+
+/// `void gpupool_set_memory_fraction(double fraction, int device)`: PyTorch's pluggable-allocator
+/// memory-fraction hook (`torch.cuda.set_per_process_memory_fraction`): device `device`'s pool
+/// reserves at most that share of the device from now on, as `per_process_memory_fraction`.
+#[no_mangle]
+pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) {
+    let set = || -> Result<(), String> {
+        let state = device_state(device)?;
+        let mut state = lock(&state)?;
+        state.pool.set_memory_fraction(fraction)
+    };
+    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(set)) {
         remember_error(e);
     }
 }

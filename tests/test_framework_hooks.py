@@ -143,7 +143,8 @@ def test_a_failed_allocation_is_thrown_not_returned_as_null(fake, caller):
     fits, too_big, no_device = (result["outcomes"][k] for k in ("fits", "too big", "no device"))
     assert fits[0] == 0 and int(fits[1]) != 0
     assert too_big[0] == 1, "out of memory is a std::bad_alloc"
-    assert too_big[1].startswith("CUDA out of memory (gpupool): out of memory on cuda:0")
+    # PyTorch's own message starts so; tools that retry with smaller batches look for it.
+    assert too_big[1].startswith("CUDA out of memory. gpupool: out of memory on cuda:0")
     assert "64.00 MiB" in too_big[1], "the report carries the device's capacity"
     assert no_device[0] == 2 and "cuda:5 does not exist" in no_device[1]
 
@@ -200,6 +201,83 @@ def test_a_pytorch_without_the_hooks_is_refused(fake):
         env={"STAND_IN_TORCH_WITHOUT_HOOKS": "1"},
     )
     assert "set_record_stream_fn" in result["error"] and "set_reset_fn" in result["error"]
+
+
+def test_a_memory_fraction_set_in_pytorch_limits_the_pool(fake):
+    result = run(
+        (
+            """
+        import gpupool.torch
+        gpupool.torch.install("strategy:pytorch")
+        """,
+            INSTALLED,
+            """
+        set_fraction = ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int)(hooks["set_memory_fraction_fn"])
+        # The C ABI's null-returning allocation, on the same pools (PyTorch's throws).
+        c_alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(
+            ctypes.cast(lib.gpupool_alloc, ctypes.c_void_p).value)
+        def fits(size):
+            ptr = c_alloc(size, 0, None)
+            if ptr:
+                free(ptr, size, 0, None)
+            return bool(ptr)
+        before = fits(40 << 20)
+        set_fraction(0.5, 0)                # torch.cuda.set_per_process_memory_fraction(0.5, 0)
+        empty_cache()
+        after, small = fits(40 << 20), fits(20 << 20)
+        set_fraction(1.5, 0)
+        report(before=before, after=after, small=small, error=gpupool.torch.last_error())
+        """,
+        ),
+        fake,
+        memory=64 * MiB,
+    )
+    assert result["before"] and not result["after"] and result["small"]
+    assert "[0, 1]" in result["error"], "an out-of-range fraction is refused and kept as the error"
+
+
+def test_a_pytorch_without_the_fraction_setter_still_installs(fake):
+    result = run(
+        (
+            """
+        import gpupool.torch
+        gpupool.torch.install()
+        """,
+            INSTALLED,
+            """
+        report(hooks=sorted(hooks))
+        """,
+        ),
+        fake,
+        env={"STAND_IN_TORCH_WITHOUT_FRACTION": "1"},
+    )
+    assert result["hooks"] == ["set_record_stream_fn", "set_reset_fn"]
+
+
+def test_installing_after_pytorch_initialized_cuda_changes_nothing(fake):
+    result = run(
+        (
+            """
+        import gpupool.torch
+        from torch.cuda import memory
+        _native._capi_configure("cuda", "strategy:pytorch")
+        try:
+            gpupool.torch.install("strategy:expandable")
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        lib = ctypes.CDLL(_native.__file__)
+        alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(
+            ctypes.cast(lib.gpupool_alloc, ctypes.c_void_p).value)
+        alloc(1 << 20, 0, None)
+        report(error=error, swapped=memory.current is not None, maps=calls("cuMemMap"))
+        """,
+        ),
+        fake,
+        env={"STAND_IN_TORCH_CUDA_INITIALIZED": "1"},
+    )
+    assert "initialized CUDA" in result["error"]
+    assert not result["swapped"] and result["maps"] == 0, "the earlier configuration (plain segments) stands"
 
 
 def test_the_cupy_allocator_serves_each_device_on_cupys_stream(fake):

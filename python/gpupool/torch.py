@@ -4,8 +4,15 @@ The extension module exports, with the signatures ``CUDAPluggableAllocator`` exp
 ``gpupool_torch_alloc`` (allocation; a failure is thrown as a C++ exception, which PyTorch raises
 in Python as a ``RuntimeError`` carrying gpupool's out-of-memory report, instead of handing out a
 tensor at address 0), ``gpupool_free``, ``gpupool_record_stream`` (``tensor.record_stream``) and
-``gpupool_empty_cache`` (``torch.cuda.empty_cache``). They serve one process-wide pool per
-device, each with its own lock. PyTorch is imported only when ``install`` is called.
+``gpupool_empty_cache`` (``torch.cuda.empty_cache``) and ``gpupool_set_memory_fraction``
+(``torch.cuda.set_per_process_memory_fraction``). They serve one process-wide pool per device,
+each with its own lock. PyTorch is imported only when ``install`` is called.
+
+With any pluggable allocator PyTorch's own statistics (``torch.cuda.memory_stats``,
+``memory_allocated``, ``memory_summary``, snapshots) raise: read ``memory_stats`` here instead.
+cuDNN benchmarking fails too (it asks for the largest cached block, which PyTorch does not
+forward), as do CUDA graphs (gpupool refuses to allocate on a capturing stream) and sharing CUDA
+tensors through ``torch.multiprocessing`` (see README.md).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ FREE_SYMBOL = "gpupool_free"
 # PyTorch's Python constructor loads only the two symbols above; these reach the allocator object
 # through its setters, named here as PyTorch's bindings name them.
 HOOKS = {"set_record_stream_fn": "gpupool_record_stream", "set_reset_fn": "gpupool_empty_cache"}
+# Registered where this PyTorch has the setter; without it a memory fraction set in PyTorch is lost.
+OPTIONAL_HOOKS = {"set_memory_fraction_fn": "gpupool_set_memory_fraction"}
 PYTORCH_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
@@ -35,12 +44,20 @@ def install(config: str | None = None, *, pytorch_env: bool = False) -> None:
     Without ``config``, ``GPUPOOL_ALLOC_CONF`` is read, and with ``pytorch_env=True`` also
     ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` (every PyTorch key is understood;
     ``backend:cudaMallocAsync`` hands each request to the driver's stream-ordered pool). Call it
-    before PyTorch allocates any CUDA memory: PyTorch cannot swap an allocator in use. Raises
-    ``RuntimeError`` if this PyTorch cannot forward ``record_stream`` and ``empty_cache`` to a
-    pluggable allocator: without the first, a block used on a side stream could be reused early.
+    before PyTorch initializes CUDA: PyTorch cannot swap an allocator it has set up, and
+    ``torch.cuda.set_device``, ``current_device`` and ``current_stream`` initialize it as surely
+    as a first allocation does. Raises ``RuntimeError`` if CUDA is initialized already (before
+    changing anything), or if this PyTorch cannot forward ``record_stream`` and ``empty_cache`` to
+    a pluggable allocator: without the first, a block used on a side stream could be reused early.
     """
+    import torch
     from torch.cuda.memory import CUDAPluggableAllocator, change_current_allocator
 
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "gpupool.torch.install() came after PyTorch initialized CUDA (a CUDA tensor, or a call such as "
+            "torch.cuda.set_device or current_device), and PyTorch cannot swap its allocator then: call it first"
+        )
     text = config if config is not None else config_from_environment(pytorch_env)
     allocator = CUDAPluggableAllocator(_native.__file__, ALLOC_SYMBOL, FREE_SYMBOL)
     native = allocator.allocator()
@@ -54,6 +71,9 @@ def install(config: str | None = None, *, pytorch_env: bool = False) -> None:
     library = ctypes.CDLL(_native.__file__)
     for setter, symbol in HOOKS.items():
         getattr(native, setter)(ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value)
+    for setter, symbol in OPTIONAL_HOOKS.items():
+        if callable(getattr(native, setter, None)):
+            getattr(native, setter)(ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value)
     change_current_allocator(allocator)
 
 

@@ -20,13 +20,31 @@ pub(super) struct Growth {
 
 impl Growth {
     pub fn new(config: &Config, capacity: Option<u64>) -> Self {
-        let limit = config.per_process_memory_fraction.zip(capacity).map(|(f, total)| (total as f64 * f) as u64);
-        let ceiling = limit.into_iter().chain(capacity).min();
-        Growth { region: config.rules.growth_unit, limit, ceiling }
+        let mut growth = Growth { region: config.rules.growth_unit, limit: None, ceiling: None };
+        growth.limit_to(config.per_process_memory_fraction, capacity);
+        growth
+    }
+
+    /// Sets the limit to `fraction` of `capacity` (none without either).
+    pub fn limit_to(&mut self, fraction: Option<f64>, capacity: Option<u64>) {
+        self.limit = fraction.zip(capacity).map(|(f, total)| (total as f64 * f) as u64);
+        self.ceiling = self.limit.into_iter().chain(capacity).min();
     }
 }
 
 impl<D: Device> Pool<D> {
+    /// Limits the pool to `fraction` of the device's capacity from now on, as PyTorch's
+    /// `torch.cuda.set_per_process_memory_fraction` does: memory already reserved past the new
+    /// limit stays until it is freed and released. A fraction outside [0, 1] is refused.
+    pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(format!("per_process_memory_fraction must be in [0, 1], got {fraction}"));
+        }
+        self.config.per_process_memory_fraction = Some(fraction);
+        self.growth.limit_to(Some(fraction), self.device.memory_info().total);
+        Ok(())
+    }
+
     pub(super) fn reserved(&self) -> u64 {
         self.heap.stats().get(Metric::ReservedBytes, StatType::All).current
     }

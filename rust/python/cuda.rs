@@ -82,7 +82,8 @@ fn _capi_configure(backend: &str, config: &str) -> PyResult<()> {
 /// The statistics of device `device`'s global pool, or None before its first allocation.
 #[pyfunction]
 fn _capi_memory_stats(py: Python<'_>, device: i32) -> PyResult<Option<Bound<'_, PyDict>>> {
-    let Some(entries) = capi::memory_stats(device) else { return Ok(None) };
+    // The device's lock may be held through a long synchronization: wait without the GIL.
+    let Some(entries) = py.detach(|| capi::memory_stats(device)) else { return Ok(None) };
     let dict = PyDict::new(py);
     for (key, value) in entries {
         dict.set_item(key, value)?;

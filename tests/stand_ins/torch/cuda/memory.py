@@ -13,6 +13,8 @@ class _NativeAllocator:
         self.hooks = {}
         if not os.environ.get("STAND_IN_TORCH_WITHOUT_HOOKS"):
             for name in ("set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn"):
+                if name == "set_memory_fraction_fn" and os.environ.get("STAND_IN_TORCH_WITHOUT_FRACTION"):
+                    continue
                 setattr(self, name, lambda address, name=name: self.hooks.__setitem__(name, address))
 
 
