@@ -336,6 +336,90 @@ def test_the_numba_plugin_reports_the_drivers_memory_figures(fake):
     assert result["live"] == 0
 
 
+def test_the_numba_plugin_keeps_its_pool_across_initializations(fake):
+    # Numba calls initialize() whenever it readies the context, and may reset() before it.
+    result = run(
+        (
+            """
+        import os
+        os.environ["GPUPOOL_ALLOC_CONF"] = "strategy:pytorch"
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.reset()
+        manager.initialize()
+        pool = manager.pool
+        pointer = manager.memalloc(1 << 20)
+        manager.initialize()
+        kept = manager.pool is pool
+        handle = list(manager.get_ipc_handle(pointer))
+        manager.reset()
+        gone = manager.pool is None
+        manager.initialize()
+        report(kept=kept, handle=handle, gone=gone, fresh=manager.pool is not pool, held=pool.device_memory_held())
+        """,
+        ),
+        fake,
+    )
+    assert result["kept"] and result["handle"] == ["ipc handle", 1 * MiB]
+    assert result["gone"] and result["fresh"] and result["held"] == 0, "a reset empties the pool, then drops it"
+
+
+def test_numba_frees_wait_for_work_on_blocking_streams(fake):
+    result = run(
+        (
+            """
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        use_context()
+        side = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(side), 0) == 0   # Numba's streams are blocking
+        first = manager.memalloc(2 << 20)
+        address = first.device_pointer.value
+        launch(side.value, address, 2 << 20)
+        first.free()                        # the array dies while its kernel still runs
+        second = manager.memalloc(2 << 20)
+        reused_early = second.device_pointer.value == address
+        complete(side.value)
+        second.free()
+        third = manager.memalloc(2 << 20)
+        reused_later = third.device_pointer.value in (address, second.device_pointer.value)
+        report(reused_early=reused_early, reused_later=reused_later, violations=violations())
+        """,
+        ),
+        fake,
+    )
+    assert not result["reused_early"], "memory went to a new array under a running kernel"
+    assert result["reused_later"] and result["violations"] == 0
+
+
+def test_numba_shared_pages_open_only_on_the_exporting_gpu(fake):
+    result = run(
+        (
+            """
+        import os, pickle
+        os.environ["GPUPOOL_ALLOC_CONF"] = "shareable_handle:posix_fd"
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        received = pickle.loads(pickle.dumps(manager.get_ipc_handle(manager.memalloc(2 << 20))))
+        try:
+            received.open(cuda.context_for(1))
+            error = None
+        except ValueError as e:
+            error = str(e)
+        report(error=error)
+        """,
+        ),
+        fake,
+        device_count=2,
+    )
+    assert "another GPU" in result["error"]
+
+
 def test_numba_ipc_handles_for_plain_segments_and_a_clear_refusal_for_pages(fake):
     result = run(
         (

@@ -8,6 +8,7 @@ access, so importing this module does not import Numba.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import weakref
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 import gpupool
 
 __all__ = ["GpupoolMemoryManager"]  # noqa: F822 - built on first access, by __getattr__
+
+# The driver's handle for the legacy default stream (CU_STREAM_LEGACY).
+CU_STREAM_LEGACY = 1
 
 
 def _device_pointer(address: int) -> Any:
@@ -52,8 +56,14 @@ def _shared_pages_handle_class() -> type:
             return (_rebuild_shared_pages, (self.export,))
 
         def open(self, context: Any) -> MemoryPointer:
-            pid, pages, offset, size, device, _ = self.export
-            self._imported = gpupool._native._import_pages(device, pid, pages)
+            pid, pages, offset, size, _, source = self.export
+            # Device numbers differ between processes (CUDA_VISIBLE_DEVICES); identities do not.
+            if source != context.device.get_device_identity():
+                raise ValueError(
+                    "these pages live on another GPU than the receiving context's: open the handle in a context "
+                    "on the exporting device"
+                )
+            self._imported = gpupool._native._import_pages(context.device.id, pid, pages)
             address = self._imported.base + offset
             return MemoryPointer(context, _device_pointer(address), size, finalizer=self._imported.close)
 
@@ -84,21 +94,41 @@ def _build() -> type:
     from numba.cuda import GetIpcHandleMixin, HostOnlyCUDAMemoryManager, MemoryPointer
 
     class GpupoolMemoryManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
-        """Device memory from one gpupool pool per Numba context; host memory as Numba does it."""
+        """Device memory from one gpupool pool per Numba context; host memory as Numba does it.
+
+        A freed array's memory is reused once the work queued before the free on the legacy
+        stream and every blocking stream (Numba's streams are blocking) has finished, as after
+        Numba's own deferred ``cuMemFree``: it waits for an event on the legacy stream, which
+        completes only after that work.
+        """
+
+        pool: Any = None
 
         def initialize(self) -> None:
-            self.pool = gpupool.Pool(f"cuda:{self.context.device.id}")
+            # Numba calls this whenever it readies the context, often many times: the pool and
+            # its cache stay (Numba's plugin contract: previous state must not be invalidated).
+            if self.pool is None:
+                self.pool = gpupool.Pool(f"cuda:{self.context.device.id}")
+                self._legacy = self.pool.external_stream(CU_STREAM_LEGACY)
+                self._keys = itertools.count()
 
         def memalloc(self, size: int) -> MemoryPointer:
             ptr = self.pool.alloc(size)
-            # Keyed by identity: every zero-byte allocation has address 0.
-            key = id(ptr)
+            # Keyed by a counter: every zero-byte allocation has address 0, and an id() can be
+            # reused by a pointer allocated after a reset.
+            key = next(self._keys)
             self.allocations[key] = ptr
-            allocations = self.allocations
+            allocations, legacy = self.allocations, self._legacy
 
             def finalize() -> None:
                 # After a context reset the table is already empty; the pointer went with it.
-                allocations.pop(key, None)
+                freed = allocations.pop(key, None)
+                if freed is not None:
+                    try:
+                        freed.record_stream(legacy)
+                    except (RuntimeError, ValueError):
+                        # Without the wait the memory could be reused under running work.
+                        legacy.synchronize()
 
             return MemoryPointer(self.context, _device_pointer(ptr.ptr), size, finalizer=finalize)
 
@@ -124,8 +154,13 @@ def _build() -> type:
             return GetIpcHandleMixin.get_ipc_handle(self, memory)
 
         def reset(self) -> None:
+            # Numba may reset before initializing. A reset of the device (numba.cuda.close())
+            # resets its primary context next, under this pool: the pool goes, and the next
+            # initialize opens a new one.
             super().reset()
-            self.pool.empty_cache()
+            if self.pool is not None:
+                self.pool.empty_cache()
+                self.pool = self._legacy = None
 
         @property
         def interface_version(self) -> int:
