@@ -314,6 +314,77 @@ def test_the_cupy_allocator_serves_each_device_on_cupys_stream(fake):
     assert "serves cuda:0" in result["error"]
 
 
+def test_cupy_streams_live_until_the_pool_is_done_with_them(fake):
+    # CuPy destroys a stream's handle when the Stream object dies; the pool may still record
+    # events on a stream it holds blocks of. The allocator keeps the stream until a sweep.
+    result = run(
+        (
+            """
+        import cupy
+        import gpupool.cupy
+        malloc = gpupool.cupy.allocator()
+        use_context()
+        def cupy_stream():
+            raw = ctypes.c_void_p()
+            assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+            return cupy.cuda.Stream(raw.value, destroy=lambda ptr: driver().cuStreamDestroy_v2(ctypes.c_void_p(ptr)))
+        side = cupy_stream()
+        side.use()
+        block = malloc(1 << 20)
+        del block                           # freed on the side stream: a fence will be recorded there
+        cupy.cuda.Stream.null.use()
+        del side                            # CuPy would destroy the handle now
+        destroyed_at_del = calls("cuStreamDestroy_v2")
+        errors = []
+        for size in (4 << 20, 8 << 20):    # misses on the null stream: fences for the side stream
+            try:
+                malloc(size)
+            except RuntimeError as e:
+                errors.append(str(e))
+        other = cupy_stream()
+        other.use()
+        malloc(1 << 20)                     # a stream not served yet: the sweep lets the side one go
+        report(destroyed_at_del=destroyed_at_del, destroyed_after=calls("cuStreamDestroy_v2"), errors=errors,
+               violations=violations())
+        """,
+        ),
+        fake,
+    )
+    assert result["errors"] == [], "the pool used a destroyed stream"
+    assert result["destroyed_at_del"] == 0 and result["destroyed_after"] == 1
+    assert result["violations"] == 0
+
+
+def test_cupy_out_of_memory_collects_garbage_then_raises_cupys_error(fake):
+    result = run(
+        (
+            """
+        import gc
+        import cupy
+        import gpupool.cupy
+        malloc = gpupool.cupy.allocator(gpupool.Pool("cuda:0", config="strategy:pytorch"))
+        gc.disable()
+        cycle = [malloc(40 << 20)]
+        cycle.append(cycle)
+        del cycle                           # unreachable, but only a collection frees it
+        after_collection = malloc(40 << 20) is not None
+        try:
+            malloc(1 << 30)
+            caught = None
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            caught = [isinstance(e, gpupool.OutOfMemoryError), isinstance(e, MemoryError), str(e)]
+        report(after_collection=after_collection, caught=caught)
+        """,
+        ),
+        fake,
+        memory=64 * MiB,
+    )
+    assert result["after_collection"]
+    cupy_type, memory_error, text = result["caught"]
+    assert cupy_type and memory_error
+    assert text.startswith("Out of memory allocating 1,073,741,824 bytes") and "gpupool:" in text
+
+
 def test_the_numba_plugin_reports_the_drivers_memory_figures(fake):
     result = run(
         (

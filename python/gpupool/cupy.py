@@ -5,10 +5,28 @@ CuPy is imported only when the allocator is made or called.
 
 from __future__ import annotations
 
+import gc
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import gpupool
+
+
+def _out_of_memory_class() -> type:
+    """CuPy's ``OutOfMemoryError`` that is also gpupool's, so that ``except`` clauses for either
+    (CuPy's own fallbacks among them) catch it."""
+    from cupy.cuda.memory import OutOfMemoryError
+
+    class CupyOutOfMemoryError(OutOfMemoryError, gpupool.OutOfMemoryError):
+        def __init__(self, size: int, total: int, report: str) -> None:
+            OutOfMemoryError.__init__(self, size, total)
+            self.args = (f"{self.args[0]} gpupool: {report}",)
+
+        def __reduce__(self) -> tuple:
+            return (type(self), (self._size, self._total, self.args[0]))
+
+    return CupyOutOfMemoryError
 
 
 def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
@@ -18,8 +36,14 @@ def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
     allocation while another device is CuPy's current one is a ``ValueError`` (CuPy's allocator
     is process-wide, a pool serves one device). Each allocation is made for CuPy's current stream
     and each CuPy buffer holds its ``DevicePtr``, so memory returns to the pool, in that stream's
-    order, when CuPy drops the buffer. A request the device cannot serve raises
-    ``gpupool.OutOfMemoryError`` (a ``MemoryError``, as CuPy's own is) with the pool's report.
+    order, when CuPy drops the buffer. A request the device cannot serve, even after a garbage
+    collection (CuPy's own pool collects before giving up too), raises an error that is both
+    ``cupy.cuda.memory.OutOfMemoryError`` and ``gpupool.OutOfMemoryError``, with the pool's report.
+
+    A CuPy stream destroys its handle when the object dies, and the pool may still record events
+    on a stream it has blocks of: the allocator keeps each stream it served alive, and lets one go
+    (after the pool is done with it) once nothing else holds it and CuPy switches to a stream it
+    has not served yet.
     """
     import cupy
 
@@ -27,8 +51,21 @@ def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
         raise ValueError(f"CuPy needs a CUDA pool, not one on '{pool.device}'")
     pools: dict[int, gpupool.Pool] = {} if pool is None else {int(pool.device.split(":")[1]): pool}
     # Blocks are cached per stream, like CuPy's own pool: a block freed on one stream is not
-    # handed to another while the first may still use it. Keyed by (device, raw handle).
-    streams: dict[tuple[int, int], gpupool.Stream] = {}
+    # handed to another while the first may still use it. Keyed by (device, raw handle), with
+    # the CuPy stream object, held so that its handle outlives the pool's use of it.
+    streams: dict[tuple[int, int], tuple[Any, gpupool.Stream]] = {}
+    out_of_memory: list[type] = []
+
+    def release_unused_streams() -> None:
+        for key in list(streams):
+            # Held only by the entry (and getrefcount's argument). CuPy never destroys the null,
+            # legacy and per-thread streams (0, 1, 2).
+            if key[1] > 2 and sys.getrefcount(streams[key][0]) <= 2:
+                try:
+                    streams[key][1].destroy()  # waits for the stream's work, then forgets its handle
+                except (RuntimeError, ValueError):
+                    continue
+                del streams[key]
 
     def malloc(size: int) -> cupy.cuda.MemoryPointer:
         device_id = cupy.cuda.Device().id
@@ -37,11 +74,22 @@ def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
             if pool is not None:
                 raise ValueError(f"this allocator serves {pool.device}, but CuPy's current device is cuda:{device_id}")
             target = pools[device_id] = gpupool.Pool(f"cuda:{device_id}")
-        handle = cupy.cuda.get_current_stream().ptr
-        stream = streams.get((device_id, handle))
-        if stream is None:
-            stream = streams[(device_id, handle)] = target.external_stream(handle)
-        ptr = target.alloc(size, stream=stream)
+        current = cupy.cuda.get_current_stream()
+        entry = streams.get((device_id, current.ptr))
+        if entry is None:
+            release_unused_streams()
+            entry = streams[(device_id, current.ptr)] = (current, target.external_stream(current.ptr))
+        del current
+        try:
+            ptr = target.alloc(size, stream=entry[1])
+        except gpupool.OutOfMemoryError:
+            gc.collect()  # memory held by garbage cycles of CuPy arrays comes back
+            try:
+                ptr = target.alloc(size, stream=entry[1])
+            except gpupool.OutOfMemoryError as e:
+                if not out_of_memory:
+                    out_of_memory.append(_out_of_memory_class())
+                raise out_of_memory[0](size, target.memory_allocated(), str(e)) from e
         memory = cupy.cuda.UnownedMemory(ptr.ptr, size, ptr, device_id)
         return cupy.cuda.MemoryPointer(memory, 0)
 

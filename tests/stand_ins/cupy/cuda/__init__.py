@@ -1,6 +1,8 @@
 """The stand-in's `cupy.cuda` (see `cupy/__init__.py`)."""
 
-_state = {"device": 0, "stream": 0}
+from cupy.cuda import memory  # noqa: F401
+
+_state = {"device": 0, "stream": None}
 
 
 class Device:
@@ -12,15 +14,27 @@ class Device:
 
 
 class Stream:
-    def __init__(self, ptr):
-        self.ptr = ptr
+    """A stream with a raw handle; given `destroy`, it destroys the handle when it dies, as
+    CuPy's streams do in `__del__`."""
+
+    null = None
+
+    def __init__(self, ptr, destroy=None):
+        self.ptr, self._destroy = ptr, destroy
 
     def use(self):
-        _state["stream"] = self.ptr
+        _state["stream"] = self
+
+    def __del__(self):
+        if self._destroy is not None:
+            self._destroy(self.ptr)
+
+
+Stream.null = Stream(0)
 
 
 def get_current_stream():
-    return Stream(_state["stream"])
+    return _state["stream"] or Stream.null
 
 
 class UnownedMemory:
@@ -29,5 +43,5 @@ class UnownedMemory:
 
 
 class MemoryPointer:
-    def __init__(self, memory, offset):
-        self.mem, self.ptr = memory, memory.ptr + offset
+    def __init__(self, mem, offset):
+        self.mem, self.ptr = mem, mem.ptr + offset
