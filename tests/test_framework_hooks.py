@@ -355,6 +355,27 @@ def test_cupy_streams_live_until_the_pool_is_done_with_them(fake):
     assert result["violations"] == 0
 
 
+def test_cupys_per_thread_default_stream_is_refused(fake):
+    result = run(
+        (
+            """
+        import cupy
+        import gpupool.cupy
+        malloc = gpupool.cupy.allocator()
+        cupy.cuda.Stream(2).use()           # cudaStreamPerThread
+        try:
+            malloc(1 << 20)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        report(error=error)
+        """,
+        ),
+        fake,
+    )
+    assert "per-thread default stream" in result["error"]
+
+
 def test_cupy_out_of_memory_collects_garbage_then_raises_cupys_error(fake):
     result = run(
         (

@@ -12,6 +12,9 @@ from typing import Any
 
 import gpupool
 
+# cudaStreamPerThread: the calling thread's own default stream, whichever thread calls.
+CUDA_STREAM_PER_THREAD = 2
+
 
 def _out_of_memory_class() -> type:
     """CuPy's ``OutOfMemoryError`` that is also gpupool's, so that ``except`` clauses for either
@@ -75,6 +78,13 @@ def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
                 raise ValueError(f"this allocator serves {pool.device}, but CuPy's current device is cuda:{device_id}")
             target = pools[device_id] = gpupool.Pool(f"cuda:{device_id}")
         current = cupy.cuda.get_current_stream()
+        if current.ptr == CUDA_STREAM_PER_THREAD:
+            # One handle for a different stream on each thread: the pool's fences and per-stream
+            # reuse could not tell them apart.
+            raise ValueError(
+                "gpupool.cupy does not serve CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM): "
+                "use cupy.cuda.Stream objects"
+            )
         entry = streams.get((device_id, current.ptr))
         if entry is None:
             release_unused_streams()
