@@ -27,6 +27,7 @@ def driver():
     lib = ctypes.CDLL("libcuda.so.1")
     lib.fake_cuda_calls.restype = ctypes.c_ulonglong
     lib.fake_cuda_violations.restype = ctypes.c_ulonglong
+    lib.fake_cuda_mappings.restype = ctypes.c_ulonglong
     lib.fake_cuda_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ubyte]
     lib.fake_cuda_complete.argtypes = [ctypes.c_void_p]
     lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
@@ -39,6 +40,9 @@ def calls(name):
 
 def violations():
     return driver().fake_cuda_violations()
+
+def mappings():
+    return driver().fake_cuda_mappings()
 
 def current_context():
     context = ctypes.c_void_p()

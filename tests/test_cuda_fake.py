@@ -598,19 +598,17 @@ def test_exported_pages_map_in_another_range_until_closed(fake):
     result = fake_driver.run(
         """
         import os
-        lib = driver()
-        lib.fake_cuda_mappings.restype = ctypes.c_ulonglong
         pool = gpupool.Pool("cuda:0", config="strategy:pages,shareable_handle:posix_fd")
         ptr = pool.alloc(3 << 20)
         pid, pages, offset = _native._export_pages(pool, ptr.ptr, 3 << 20)
-        mapped = lib.fake_cuda_mappings()
+        mapped = mappings()
         imported = _native._import_pages(0, pid, pages)
-        added = lib.fake_cuda_mappings() - mapped
+        added = mappings() - mapped
         imported.close()
         for fd, _ in pages:
             os.close(fd)
         report(pid=pid == os.getpid(), sizes=[size for _, size in pages], offset=offset, added=added,
-               apart=imported.base != ptr.ptr - offset, left=lib.fake_cuda_mappings() - mapped,
+               apart=imported.base != ptr.ptr - offset, left=mappings() - mapped,
                violations=violations())
         """,
         fake,
@@ -626,8 +624,6 @@ def test_a_failed_release_leaks_no_descriptor_and_no_mapping(fake):
     result = fake_driver.run(
         """
         import os
-        lib = driver()
-        lib.fake_cuda_mappings.restype = ctypes.c_ulonglong
         pool = gpupool.Pool("cuda:0", config="strategy:pages,shareable_handle:posix_fd")
         ptr = pool.alloc(2 << 20)
         def failing_next_release(call):
@@ -641,10 +637,10 @@ def test_a_failed_release_leaks_no_descriptor_and_no_mapping(fake):
         export_error = failing_next_release(lambda: _native._export_pages(pool, ptr.ptr, 2 << 20))
         leaked = len(os.listdir("/proc/self/fd")) - descriptors
         pid, pages, offset = _native._export_pages(pool, ptr.ptr, 2 << 20)
-        mapped = lib.fake_cuda_mappings()
+        mapped = mappings()
         import_error = failing_next_release(lambda: _native._import_pages(0, pid, pages))
         report(export_error=export_error, leaked=leaked, import_error=import_error,
-               left=lib.fake_cuda_mappings() - mapped)
+               left=mappings() - mapped)
         """,
         fake,
     )
