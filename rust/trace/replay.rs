@@ -263,10 +263,12 @@ pub fn bisect_capacity(
         if raises > MAX_RAISES {
             return Ok(u64::MAX);
         }
-        fits = fits.saturating_add(fits / 4);
+        fits = fits.saturating_add((fits / 4).max(1));
     }
     let mut fails = floor.min(fits);
-    while fits - fails > (fits as f64 * tolerance) as u64 {
+    // At least a byte apart: below 1 / tolerance bytes the relative step rounds to 0, and a
+    // midpoint between neighbours would be `fails` forever.
+    while fits - fails > ((fits as f64 * tolerance) as u64).max(1) {
         let middle = fails + (fits - fails) / 2;
         if fits_on(middle)? {
             fits = middle;
@@ -288,6 +290,18 @@ mod tests {
     use crate::trace::TraceBuilder;
 
     const MIB: u64 = 1 << 20;
+
+    /// Tiny capacities, where tolerance x capacity is under a byte, and upper bounds under 4
+    /// bytes, which a quarter does not raise: the search still ends, at the smallest that fits.
+    #[test]
+    fn bisection_ends_on_capacities_of_a_few_bytes() {
+        for least in [1u64, 2, 3, 5, 137, 4_999] {
+            for start in [1u64, 2, least] {
+                let found = bisect_capacity(|c| Ok(c >= least), 0, start, 0.0002).unwrap();
+                assert_eq!(found, least, "least {least}, starting at {start}");
+            }
+        }
+    }
 
     /// Two 8 MiB tensors, one freed, then a 12 MiB one.
     fn small_trace() -> Trace {
