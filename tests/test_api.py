@@ -243,6 +243,14 @@ def test_device_allocates_without_pooling():
     host.release(host.allocate(1000))
 
 
+def test_zero_byte_device_allocations_give_back_what_they_held():
+    # A zero-byte request holds a byte of host memory; giving it back must not wrap the count.
+    host = gpupool.Device("host", capacity=4096)
+    for _ in range(3):
+        host.release(host.allocate(0))
+    host.release(host.allocate(4096))
+
+
 def test_max_split_size_keeps_oversize_blocks_whole():
     pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch,max_split_size_mb:32")
     assert pool.config["max_split_size_mb"] == 32

@@ -84,7 +84,8 @@ impl Device for Host {
         if ptr.is_null() {
             return Err(oom);
         }
-        self.held += size;
+        // What `release` gives back: a zero-byte request holds one byte.
+        self.held += bytes as u64;
         self.live.insert(ptr as u64, layout);
         Ok(ptr as u64)
     }
