@@ -94,6 +94,24 @@ def test_bad_views_are_refused(pool, dtype, shape, error):
         pool.alloc(96).view(dtype, shape)
 
 
+def test_a_view_cannot_be_reshaped_past_its_allocation(pool):
+    # Its interfaces pair the export's address with shape and typestr: changing them later would
+    # hand numpy bytes past the allocation.
+    view = pool.alloc(4096).view("uint8")
+    for name, value in (("shape", (1 << 34,)), ("typestr", "<f8"), ("_export", None), ("ptr", None)):
+        with pytest.raises(AttributeError, match="read-only"):
+            setattr(view, name, value)
+    with pytest.raises(AttributeError):
+        del view.shape
+    assert view.__array_interface__["shape"] == (4096,) and view.nbytes == 4096
+
+
+def test_a_dlpack_shape_whose_bit_count_wraps_is_refused(pool):
+    # 2**61 - 1 four-bit elements: the bit count is one short of wrapping when rounded up to bytes.
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.alloc(16)._export()._dlpack(0, 4, [2**61 - 1], None, None)
+
+
 def test_export_refusals(pool):
     ptr = pool.alloc(16)
     with pytest.raises(BufferError):

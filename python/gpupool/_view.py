@@ -48,7 +48,9 @@ class View:
     even after ``ptr.free()``.
     """
 
-    __slots__ = ("ptr", "typestr", "shape", "_export")
+    # Read-only: the interfaces pair the export's address with these, so a shape or type set
+    # later could describe bytes past the allocation (and numpy would write there).
+    __slots__ = ("_ptr", "_typestr", "_shape", "_export")
 
     def __init__(self, ptr: DevicePtr, dtype: Any, shape: int | tuple[int, ...] | None = None) -> None:
         typestr = _typestr(dtype)
@@ -62,10 +64,26 @@ class View:
             raise ValueError(f"shape {shape} has a negative extent")
         if math.prod(shape) * itemsize > ptr.size:
             raise ValueError(f"shape {shape} of {typestr} needs more than the {ptr.size} bytes allocated")
-        self.ptr = ptr
-        self.typestr = typestr
-        self.shape = shape
-        self._export = ptr._export()
+        for name, value in (("_ptr", ptr), ("_typestr", typestr), ("_shape", shape), ("_export", ptr._export())):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a View is read-only (make another with ptr.view): cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a View is read-only: cannot delete {name!r}")
+
+    @property
+    def ptr(self) -> DevicePtr:
+        return self._ptr
+
+    @property
+    def typestr(self) -> str:
+        return self._typestr
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
 
     @property
     def nbytes(self) -> int:

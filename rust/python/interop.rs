@@ -76,7 +76,8 @@ impl Memory<'_> {
         let device = dlpack_device(self.shared)?;
         let elements = shape.iter().try_fold(1i64, |n, &d| if d < 0 { None } else { n.checked_mul(d) });
         let bytes = elements.and_then(|n| n.checked_mul(i64::from(dtype.bits) * i64::from(dtype.lanes)));
-        if bytes.is_none_or(|bits| (bits + 7) / 8 > self.size as i64) {
+        let bytes = bytes.and_then(|bits| bits.checked_add(7)).map(|bits| bits / 8);
+        if bytes.is_none_or(|bytes| bytes > self.size as i64) {
             return Err(value_error(format!("shape {shape:?} does not fit in an allocation of {} bytes", self.size)));
         }
         if device.0 == dlpack::DEVICE_CUDA && stream != Some(-1) {
