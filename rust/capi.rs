@@ -123,9 +123,20 @@ pub fn configure(backend: Backend, config: Config) -> Result<(), String> {
     Ok(())
 }
 
-/// Device `device`'s pool, opened on first use.
-fn device_state(device: c_int) -> Result<SharedState, String> {
+/// Runs `f` on device `device`'s pool, opened on first use. The pool is locked before the
+/// process-wide lock is let go, so [`configure`] (which holds that lock while it checks for live
+/// allocations) cannot replace it between the lookup and `f`: an allocation made in a replaced
+/// pool would dangle once that pool is dropped.
+fn with_device<R, E: From<String>>(device: c_int, f: impl FnOnce(&mut DeviceState) -> Result<R, E>) -> Result<R, E> {
     let mut global = global()?;
+    let state = device_state(&mut global, device)?;
+    let mut state = lock(&state)?;
+    drop(global);
+    f(&mut state)
+}
+
+/// Device `device`'s pool, opened on first use; the caller holds the process-wide lock.
+fn device_state(global: &mut Option<Global>, device: c_int) -> Result<SharedState, String> {
     let g = global.get_or_insert_with(|| Global {
         backend: Backend::default(),
         config: Config::default(),
@@ -155,16 +166,16 @@ impl From<String> for AllocError {
 fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, AllocError> {
     // PyTorch asks for 0 bytes for empty tensors; they still need a distinct, freeable address.
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?.max(1);
-    let state = device_state(device)?;
-    let mut state = lock(&state)?;
-    let stream = state.stream(stream).map_err(|e| e.to_string())?;
-    match state.pool.alloc_on(size, stream) {
-        Ok(allocation) => {
-            state.live.insert(allocation.address, allocation.handle);
-            Ok(allocation.address)
+    with_device(device, |state| {
+        let stream = state.stream(stream).map_err(|e| e.to_string())?;
+        match state.pool.alloc_on(size, stream) {
+            Ok(allocation) => {
+                state.live.insert(allocation.address, allocation.handle);
+                Ok(allocation.address)
+            }
+            Err(e) => Err(AllocError { out_of_memory: matches!(e, PoolError::OutOfMemory(_)), text: e.to_string() }),
         }
-        Err(e) => Err(AllocError { out_of_memory: matches!(e, PoolError::OutOfMemory(_)), text: e.to_string() }),
-    }
+    })
 }
 
 fn free(address: u64, device: c_int) -> Result<(), String> {
@@ -260,11 +271,7 @@ pub extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
 /// reserves at most that share of the device from now on, as `per_process_memory_fraction`.
 #[no_mangle]
 pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) {
-    let set = || -> Result<(), String> {
-        let state = device_state(device)?;
-        let mut state = lock(&state)?;
-        state.pool.set_memory_fraction(fraction)
-    };
+    let set = || with_device(device, |state| state.pool.set_memory_fraction(fraction));
     if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(set)) {
         remember_error(e);
     }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -102,3 +104,47 @@ def test_device_calls_interleave_with_cached_calls():
     assert len(returns) == 4 and sum(returns) > 0
     check_pool(pool, [])
     drain(pool, [])
+
+
+# Threads allocating through the C ABI while others reconfigure its pools. An allocation must
+# never land in a pool that `configure` is replacing: that pool is dropped, and the pointer with
+# it (the threads write every byte, so a dangling pointer crashes the child).
+C_ABI_RACE = """
+import ctypes, sys, threading, time
+from gpupool import _native
+sys.setswitchinterval(1e-6)
+lib = ctypes.CDLL(_native.__file__)
+lib.gpupool_alloc.restype = ctypes.c_void_p
+lib.gpupool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.gpupool_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+_native._capi_configure("host", "strategy:direct")
+stop, foreign = False, 0
+def allocate():
+    global foreign
+    while not stop:
+        p = lib.gpupool_alloc(1 << 20, 0, None)
+        if p:
+            ctypes.memset(p, 0xAB, 1 << 20)
+            lib.gpupool_free(p, 1 << 20, 0, None)
+            foreign += "not a live allocation" in (_native._capi_last_error() or "")
+def configure():
+    while not stop:
+        try:
+            _native._capi_configure("host", "strategy:direct")
+        except RuntimeError:
+            pass  # refused while allocations are live, as it should be
+threads = [threading.Thread(target=allocate) for _ in range(6)] + [threading.Thread(target=configure) for _ in range(2)]
+for t in threads:
+    t.start()
+time.sleep(2)
+stop = True
+for t in threads:
+    t.join()
+print(foreign)
+"""
+
+
+def test_c_abi_allocations_never_land_in_a_pool_being_replaced():
+    done = subprocess.run([sys.executable, "-c", C_ABI_RACE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.strip() == "0", "frees of pointers from a replaced pool"
