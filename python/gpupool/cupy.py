@@ -5,6 +5,7 @@ CuPy is imported only when the allocator is made or called.
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import gpupool
 CUDA_STREAM_PER_THREAD = 2
 
 
+@functools.cache
 def _out_of_memory_class() -> type:
     """CuPy's ``OutOfMemoryError`` that is also gpupool's, so that ``except`` clauses for either
     (CuPy's own fallbacks among them) catch it."""
@@ -57,7 +59,6 @@ def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
     # handed to another while the first may still use it. Keyed by (device, raw handle), with
     # the CuPy stream object, held so that its handle outlives the pool's use of it.
     streams: dict[tuple[int, int], tuple[Any, gpupool.Stream]] = {}
-    out_of_memory: list[type] = []
 
     def release_unused_streams() -> None:
         for key in list(streams):
@@ -97,9 +98,7 @@ def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
             try:
                 ptr = target.alloc(size, stream=entry[1])
             except gpupool.OutOfMemoryError as e:
-                if not out_of_memory:
-                    out_of_memory.append(_out_of_memory_class())
-                raise out_of_memory[0](size, target.memory_allocated(), str(e)) from e
+                raise _out_of_memory_class()(size, target.memory_allocated(), str(e)) from e
         memory = cupy.cuda.UnownedMemory(ptr.ptr, size, ptr, device_id)
         return cupy.cuda.MemoryPointer(memory, 0)
 
