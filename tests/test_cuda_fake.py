@@ -278,6 +278,43 @@ def test_the_cuda_malloc_async_backend_hands_every_request_to_the_driver_pool(fa
     assert (result["async_allocs"], result["async_frees"], result["allocs"]) == (10, 10, 0)
 
 
+def test_another_devices_stream_is_fenced_from_its_own_context(fake):
+    # Events are made in the side stream's context (the driver records an event only on a stream
+    # of its own context); closing the pool waits for them before memory goes back.
+    result = fake_driver.run(
+        """
+        use_context(1)
+        raw = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+        pool = gpupool.Pool("cuda:0")
+        side = pool.external_stream(raw.value)
+        ptr = pool.alloc(3 << 20)
+        pool.record_stream(ptr, side)
+        launch(raw.value, ptr.ptr, 3 << 20)
+        ptr.free()
+        again = pool.alloc(3 << 20)
+        moved = again.ptr != ptr.ptr
+        again.free()
+        del ptr, again
+        async_pool = gpupool.Pool("cuda:0", config="backend:cudaMallocAsync")
+        try:
+            async_pool.alloc(4096, stream=async_pool.external_stream(raw.value))
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        del pool, side                      # the kernel on the side stream is waited for first
+        report(moved=moved, violations=violations(), refused=refused, events=calls("cuEventCreate"),
+               destroyed=calls("cuEventDestroy_v2"), allocs=calls("cuMemAllocAsync"))
+        """,
+        fake,
+        device_count=2,
+    )
+    assert result["moved"], "the block stayed pending while the other device's kernel ran"
+    assert result["violations"] == 0, "memory went back under the other device's kernel"
+    assert "another device's context" in result["refused"] and result["allocs"] == 0
+    assert result["events"] >= 1 and result["destroyed"] == result["events"]
+
+
 def test_every_thread_gets_the_context(fake):
     result = fake_driver.run(
         """

@@ -119,6 +119,59 @@ def test_record_stream_and_empty_cache_reach_the_pool(fake):
     assert result["error"] is None
 
 
+def test_record_stream_with_another_devices_stream_defers_the_free(fake):
+    # tensor.record_stream(s) with s on another GPU: the driver records an event only on a stream
+    # of the event's own context, so the fence is made in the side stream's context. The free
+    # used to fail there, and PyTorch, which never frees twice, leaked the block.
+    result = run(
+        (
+            """
+        import gpupool.torch
+        gpupool.torch.install("strategy:pytorch")
+        """,
+            INSTALLED,
+            """
+        use_context(1)
+        side = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(side), 1) == 0
+        ours = use_context(0)
+        ptr = alloc(3 * (1 << 20), 0, None)
+        record_stream(ptr, side)
+        launch(side.value, ptr, 3 * (1 << 20))
+        free(ptr, 3 * (1 << 20), 0, None)
+        error, context = gpupool.torch.last_error(), current_context() == ours
+        stats = gpupool.torch.memory_stats(0)
+        pending = stats["active_bytes.all.current"] - stats["allocated_bytes.all.current"]
+        again = alloc(3 * (1 << 20), 0, None)
+        complete(side.value)
+        free(again, 3 * (1 << 20), 0, None)
+        third = alloc(3 * (1 << 20), 0, None)
+        free(third, 3 * (1 << 20), 0, None)
+        stats = gpupool.torch.memory_stats(0)
+        # Closing a pool while another device's kernel still uses a freed block: the memory
+        # goes back to the driver only after that kernel.
+        held = alloc(3 * (1 << 20), 0, None)
+        record_stream(held, side)
+        launch(side.value, held, 3 * (1 << 20))
+        free(held, 3 * (1 << 20), 0, None)
+        _native._capi_configure("cuda", "strategy:pytorch")
+        complete(side.value)                # a kernel on memory already returned is a violation
+        report(error=error, pending=pending, reused=again == ptr, violations=violations(),
+               back=third in (ptr, again), active=stats["active_bytes.all.current"], context=context,
+               last=gpupool.torch.last_error(), events=calls("cuEventCreate"), destroyed=calls("cuEventDestroy_v2"))
+        """,
+        ),
+        fake,
+        device_count=2,
+    )
+    assert result["error"] is None
+    assert result["pending"] == 3 * MiB, "the free waits for the other device's stream"
+    assert not result["reused"] and result["violations"] == 0
+    assert result["back"] and result["active"] == 0, "once the side stream finished, the block is back in the pool"
+    assert result["context"] and result["last"] is None
+    assert result["events"] >= 2 and result["destroyed"] == result["events"], "closing the pool destroys every event"
+
+
 def test_a_failed_allocation_is_thrown_not_returned_as_null(fake, caller):
     result = run(
         (

@@ -42,6 +42,17 @@ struct RawStream {
     handle: u64,
     /// Created here (and destroyed here), as opposed to imported.
     owned: bool,
+    /// The context the stream belongs to: ours, or, for a stream imported from another device
+    /// (PyTorch's `record_stream` takes any device's stream), that device's. Work on it is
+    /// ordered from its own context, and its events are made there.
+    context: u64,
+}
+
+/// An event as the driver knows it, and the context it was made in (its stream's).
+#[derive(Clone, Copy, Debug)]
+struct RawEvent {
+    handle: u64,
+    context: u64,
 }
 
 /// A segment from `cuMemAlloc` or `cuMemAllocAsync`.
@@ -66,8 +77,10 @@ pub struct Cuda {
     live: BTreeMap<u64, Segment>,
     streams: HashMap<StreamId, RawStream>,
     next_stream: StreamId,
-    events: HashMap<EventId, u64>,
-    /// Destroyed events kept for reuse: creating one costs a driver call, recording none.
+    events: HashMap<EventId, RawEvent>,
+    /// Destroyed events of our context kept for reuse: creating one costs a driver call,
+    /// recording none. Other contexts' events are destroyed at once: nothing here keeps those
+    /// contexts alive.
     spare_events: Vec<u64>,
     next_event: EventId,
     reservations: vmm::Reservations,
@@ -129,7 +142,7 @@ impl Cuda {
             keep_driver_pool_cache(context.device())?;
         }
         let mut streams = HashMap::new();
-        streams.insert(DEFAULT_STREAM, RawStream { handle: 0, owned: false });
+        streams.insert(DEFAULT_STREAM, RawStream { handle: 0, owned: false, context: context.raw() });
         Ok(Cuda {
             name: format!("cuda:{ordinal}"),
             mode,
@@ -152,12 +165,34 @@ impl Cuda {
     }
 
     fn stream(&self, stream: StreamId) -> Result<sys::CUstream, DeviceError> {
-        let raw = self.streams.get(&stream).ok_or(DeviceError::InvalidStream(stream))?;
+        Ok(self.raw_stream(stream)?.handle as sys::CUstream)
+    }
+
+    fn raw_stream(&self, stream: StreamId) -> Result<RawStream, DeviceError> {
+        self.streams.get(&stream).copied().ok_or(DeviceError::InvalidStream(stream))
+    }
+
+    /// A stream of our context, for stream-ordered allocation: the driver serves another
+    /// device's stream from that device's pool.
+    fn own_stream(&self, stream: StreamId) -> Result<sys::CUstream, DeviceError> {
+        let raw = self.raw_stream(stream)?;
+        if raw.context != self.context.raw() {
+            return Err(DeviceError::Driver(format!(
+                "stream {:#x} belongs to another device's context, not {}'s",
+                raw.handle, self.name
+            )));
+        }
         Ok(raw.handle as sys::CUstream)
     }
 
-    fn event(&self, event: EventId) -> Result<sys::CUevent, DeviceError> {
-        self.events.get(&event).map(|&e| e as sys::CUevent).ok_or(DeviceError::InvalidEvent(event))
+    /// `stream`'s driver handle, with its context made current while the guard lives.
+    fn enter_stream(&self, stream: StreamId) -> Result<(sys::CUstream, driver::Entered), DeviceError> {
+        let raw = self.raw_stream(stream)?;
+        Ok((raw.handle as sys::CUstream, driver::enter(raw.context)?))
+    }
+
+    fn event(&self, event: EventId) -> Result<RawEvent, DeviceError> {
+        self.events.get(&event).copied().ok_or(DeviceError::InvalidEvent(event))
     }
 
     /// Checks that `[address, address + len)` lies in one live segment or one mapped range.
@@ -184,6 +219,18 @@ impl Cuda {
                 check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(address, stream) })
             }
         }
+    }
+
+    /// An event the pool is done with: ours are kept for reuse, another context's are destroyed
+    /// from that context.
+    fn retire_event(&mut self, raw: RawEvent) -> Result<(), DeviceError> {
+        if raw.context == self.context.raw() {
+            self.spare_events.push(raw.handle);
+            return Ok(());
+        }
+        let _current = driver::enter(raw.context)?;
+        // SAFETY: an event of that context, destroyed once (the caller forgot it).
+        check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(raw.handle as sys::CUevent) })
     }
 
     /// Waits for all work in the device's context: before memory goes back at teardown, when
@@ -223,7 +270,6 @@ impl Device for Cuda {
     fn allocate_on(&mut self, size: u64, stream: StreamId) -> Result<u64, DeviceError> {
         check_capacity(self.capacity, self.held, size)?;
         let bytes = usize::try_from(size.max(1)).map_err(|_| DeviceError::OutOfMemory { requested: size })?;
-        let raw_stream = self.stream(stream)?;
         let _current = self.context.enter()?;
         let mut address = 0;
         match self.mode {
@@ -233,7 +279,7 @@ impl Device for Cuda {
                 "cuMemAllocAsync",
                 // SAFETY: as above; the symbol exists (checked when the device opened) and the
                 // stream is live.
-                unsafe { sys::cuMemAllocAsync(&mut address, bytes, raw_stream) },
+                unsafe { sys::cuMemAllocAsync(&mut address, bytes, self.own_stream(stream)?) },
                 size,
             )?,
         }
@@ -258,28 +304,26 @@ impl Device for Cuda {
     /// Queued on `stream` (after the work the caller ordered there), then waited for.
     fn write(&mut self, stream: StreamId, address: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.check_range(address, data.len())?;
-        let raw_stream = self.stream(stream)?;
-        let _current = self.context.enter()?;
+        let (raw_stream, _current) = self.enter_stream(stream)?;
         // SAFETY: the destination lies in live device memory of ours (checked above), the source
         // is a valid host slice, and the stream is synchronized before the slice is released.
         check("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(address, data.as_ptr().cast(), data.len(), raw_stream)
         })?;
-        // SAFETY: a live stream of this context.
+        // SAFETY: a live stream of the current context.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw_stream) })
     }
 
     fn read(&self, stream: StreamId, address: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.check_range(address, out.len())?;
-        let raw_stream = self.stream(stream)?;
-        let _current = self.context.enter()?;
+        let (raw_stream, _current) = self.enter_stream(stream)?;
         // SAFETY: the source lies in live device memory of ours (checked above), the destination
         // is an exclusively borrowed host slice, and the stream is synchronized before it is
         // released.
         check("cuMemcpyDtoHAsync", unsafe {
             sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), address, out.len(), raw_stream)
         })?;
-        // SAFETY: a live stream of this context.
+        // SAFETY: a live stream of the current context.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw_stream) })
     }
 
@@ -292,7 +336,7 @@ impl Device for Cuda {
         check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut raw, non_blocking) })?;
         let id = self.next_stream;
         self.next_stream += 1;
-        self.streams.insert(id, RawStream { handle: raw as u64, owned: true });
+        self.streams.insert(id, RawStream { handle: raw as u64, owned: true, context: self.context.raw() });
         Ok(id)
     }
 
@@ -311,16 +355,14 @@ impl Device for Cuda {
     }
 
     fn query_stream(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
-        let raw = self.stream(stream)?;
-        let _current = self.context.enter()?;
-        // SAFETY: a live stream of this context.
+        let (raw, _current) = self.enter_stream(stream)?;
+        // SAFETY: a live stream of the current context.
         check_ready("cuStreamQuery", unsafe { sys::cuStreamQuery(raw) })
     }
 
     fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), DeviceError> {
-        let raw = self.stream(stream)?;
-        let _current = self.context.enter()?;
-        // SAFETY: a live stream of this context.
+        let (raw, _current) = self.enter_stream(stream)?;
+        // SAFETY: a live stream of the current context.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw) })
     }
 
@@ -328,67 +370,80 @@ impl Device for Cuda {
         self.synchronize_context()
     }
 
+    /// The event is made in the stream's context: the driver records only an event and a stream
+    /// of the same context.
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DeviceError> {
-        let raw_stream = self.stream(stream)?;
-        let _current = self.context.enter()?;
-        let raw = match self.spare_events.pop() {
+        let stream = self.raw_stream(stream)?;
+        let _current = driver::enter(stream.context)?;
+        let ours = stream.context == self.context.raw();
+        let raw = match self.spare_events.pop().filter(|_| ours) {
             Some(raw) => raw as sys::CUevent,
             None => {
                 let mut raw = std::ptr::null_mut();
-                // SAFETY: the context is current; timing is off, which makes events cheaper.
+                // SAFETY: the stream's context is current; timing is off, which makes events
+                // cheaper.
                 check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, 2) })?;
                 raw
             }
         };
-        // SAFETY: a live event and a live stream of this context.
-        if let Err(e) = check("cuEventRecord", unsafe { sys::cuEventRecord(raw, raw_stream) }) {
-            self.spare_events.push(raw as u64);
+        // SAFETY: a live event and a live stream, both of the current context.
+        if let Err(e) = check("cuEventRecord", unsafe { sys::cuEventRecord(raw, stream.handle as sys::CUstream) }) {
+            let _ = self.retire_event(RawEvent { handle: raw as u64, context: stream.context });
             return Err(e);
         }
         let id = self.next_event;
         self.next_event += 1;
-        self.events.insert(id, raw as u64);
+        self.events.insert(id, RawEvent { handle: raw as u64, context: stream.context });
         Ok(id)
     }
 
     fn query_event(&mut self, event: EventId) -> Result<bool, DeviceError> {
         let raw = self.event(event)?;
-        let _current = self.context.enter()?;
-        // SAFETY: a live event of this context.
-        check_ready("cuEventQuery", unsafe { sys::cuEventQuery(raw) })
+        let _current = driver::enter(raw.context)?;
+        // SAFETY: a live event of the current context.
+        check_ready("cuEventQuery", unsafe { sys::cuEventQuery(raw.handle as sys::CUevent) })
     }
 
     fn synchronize_event(&mut self, event: EventId) -> Result<(), DeviceError> {
         let raw = self.event(event)?;
-        let _current = self.context.enter()?;
-        // SAFETY: a live event of this context.
-        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(raw) })
+        let _current = driver::enter(raw.context)?;
+        // SAFETY: a live event of the current context.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(raw.handle as sys::CUevent) })
     }
 
-    /// The event goes to the spare list: re-recording it later is allowed even while streams
-    /// still wait on this recording, because a wait captures the recording it saw.
+    /// Ours go to the spare list: re-recording one later is allowed even while streams still
+    /// wait on this recording, because a wait captures the recording it saw.
     fn destroy_event(&mut self, event: EventId) -> Result<(), DeviceError> {
         let raw = self.events.remove(&event).ok_or(DeviceError::InvalidEvent(event))?;
-        self.spare_events.push(raw);
-        Ok(())
+        self.retire_event(raw)
     }
 
+    /// The event may be another context's: the driver lets a stream wait for any context's.
     fn stream_wait_event(&mut self, stream: StreamId, event: EventId) -> Result<(), DeviceError> {
-        let (raw_stream, raw_event) = (self.stream(stream)?, self.event(event)?);
-        let _current = self.context.enter()?;
-        // SAFETY: a live stream and a live event of this context.
-        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(raw_stream, raw_event, 0) })
+        let raw_event = self.event(event)?;
+        let (raw_stream, _current) = self.enter_stream(stream)?;
+        // SAFETY: a live stream of the current context and a live event.
+        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(raw_stream, raw_event.handle as sys::CUevent, 0) })
     }
 
     /// Handle 0, the legacy default stream, is [`DEFAULT_STREAM`]; any other import gets an id
-    /// of its own, which `destroy_stream` forgets without destroying the driver's stream.
+    /// of its own, which `destroy_stream` forgets without destroying the driver's stream. The
+    /// driver says which context the stream belongs to (the other special handles, the legacy
+    /// and per-thread streams, are ours while ours is current).
     fn import_stream(&mut self, handle: u64) -> Result<StreamId, DeviceError> {
         if handle == 0 {
             return Ok(DEFAULT_STREAM);
         }
+        let context = {
+            let _current = self.context.enter()?;
+            let mut context = std::ptr::null_mut();
+            // SAFETY: one context handle written; a handle that is no stream is an error.
+            check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(handle as sys::CUstream, &mut context) })?;
+            context as u64
+        };
         let id = self.next_stream;
         self.next_stream += 1;
-        self.streams.insert(id, RawStream { handle, owned: false });
+        self.streams.insert(id, RawStream { handle, owned: false, context });
         Ok(id)
     }
 
@@ -401,10 +456,9 @@ impl Device for Cuda {
     }
 
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
-        let raw = self.stream(stream)?;
-        let _current = self.context.enter()?;
+        let (raw, _current) = self.enter_stream(stream)?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a live stream of this context; one status written. Unlike a query, asking about
+        // SAFETY: a live stream of the current context; one status written. Unlike a query, asking about
         // capture is allowed during capture.
         let code = unsafe { sys::cuStreamIsCapturing(raw, &mut status) };
         // The legacy default stream, while a blocking stream of the context captures: the driver
@@ -475,6 +529,19 @@ impl Drop for Cuda {
         if self.synchronize_context().is_err() {
             return;
         }
+        // Other devices' streams the pool still waits for, each from its own context.
+        let foreign: Vec<RawEvent> =
+            self.events.values().filter(|e| e.context != self.context.raw()).copied().collect();
+        for event in foreign {
+            let Ok(_current) = driver::enter(event.context) else { return };
+            // SAFETY: a live event of the current context, then destroyed once.
+            if check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.handle as sys::CUevent) }).is_err() {
+                return;
+            }
+            // SAFETY: as above.
+            let _ = unsafe { sys::cuEventDestroy_v2(event.handle as sys::CUevent) };
+        }
+        self.events.retain(|_, e| e.context == self.context.raw());
         let Ok(_current) = self.context.enter() else { return };
         // After the wait, plain cuMemFree returns stream-ordered memory too, without naming a
         // stream: an imported one may be gone by now.
@@ -487,8 +554,8 @@ impl Drop for Cuda {
             // SAFETY: streams we created and have not destroyed.
             let _ = unsafe { sys::cuStreamDestroy_v2(raw.handle as sys::CUstream) };
         }
-        for &raw in self.events.values().chain(&self.spare_events) {
-            // SAFETY: events we created, each destroyed once.
+        for &raw in self.events.values().map(|e| &e.handle).chain(&self.spare_events) {
+            // SAFETY: events we created in our context, each destroyed once.
             let _ = unsafe { sys::cuEventDestroy_v2(raw as sys::CUevent) };
         }
     }

@@ -17,6 +17,9 @@
  *     captures, the legacy stream is unusable (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
  *     ordinals;
+ *   - contexts: streams and events belong to the context current when they were made (the
+ *     legacy handles to whichever is current), and cuEventRecord takes an event and a stream of
+ *     the same context only;
  *   - virtual memory: sizes and addresses aligned to the granularity the driver reports, mapping
  *     only unmapped pages, cuMemUnmap of whole mappings only, access set on fully mapped ranges,
  *     address ranges freed only when nothing in them is mapped, exports only of handles created
@@ -104,15 +107,17 @@ struct op {
     struct op *next;
 };
 
+struct context;
 struct stream {
     int live;
+    struct context *context;  /* current at creation */
     unsigned int flags; /* 1: non-blocking (no implicit order with the legacy stream) */
     unsigned long long enqueued, completed;
     struct op *head, *tail;
     int capturing, capture_global, capture_invalid;
 };
 
-struct event { int live; struct stream *stream; unsigned long long seq; int captured; };
+struct event { int live; struct context *context; struct stream *stream; unsigned long long seq; int captured; };
 struct allocation { uintptr_t address; size_t size; int device; unsigned long long serial; };
 struct physical { size_t size; int device; int mappings; int released; int retains; unsigned int handle_types; };
 struct mapping { uintptr_t address; size_t size; struct physical *physical; unsigned long long serial; };
@@ -125,7 +130,7 @@ static struct context contexts[MAX_DEVICES];
 static struct mempool mempools[MAX_DEVICES];
 static size_t used[MAX_DEVICES];
 static __thread struct context *current;
-static struct stream legacy = {1, 0, 0, 0, NULL, NULL, 0, 0, 0};
+static struct stream legacy = {.live = 1};
 
 static struct allocation allocations[MAX_ITEMS];
 static int allocation_count;
@@ -576,10 +581,11 @@ CUresult cuCtxSetCurrent(void *ctx) {
     LEAVE;
 }
 
+/* The current context's work (the legacy stream, shared here, counts as every context's). */
 static void synchronize_all(void) {
     run_until(LEGACY, LEGACY->enqueued);
     for (int i = 0; i < MAX_ITEMS; i++)
-        if (streams[i]) run_until(streams[i], streams[i]->enqueued);
+        if (streams[i] && streams[i]->context == current) run_until(streams[i], streams[i]->enqueued);
 }
 
 CUresult cuCtxSynchronize(void) {
@@ -757,6 +763,7 @@ CUresult cuStreamCreate(struct stream **out, unsigned int flags) {
     struct stream *s = calloc(1, sizeof *s);
     if (!s || !add((void **)streams, s)) { free(s); FAIL(CUDA_ERROR_OUT_OF_MEMORY); }
     s->live = 1;
+    s->context = current;
     s->flags = flags;
     *out = s;
     LEAVE;
@@ -850,6 +857,17 @@ CUresult cuStreamEndCapture(void *handle, void **graph) {
 }
 
 /* Status: 0 none, 1 active, 2 invalidated. */
+/* The context a stream belongs to; the legacy handles name the current context's. */
+CUresult cuStreamGetCtx(void *handle, void **ctx) {
+    ENTER(0);
+    struct stream *s = stream_of(handle);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!ctx) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (s == LEGACY && !current) FAIL(CUDA_ERROR_INVALID_CONTEXT);
+    *ctx = s == LEGACY ? current : s->context;
+    LEAVE;
+}
+
 CUresult cuStreamIsCapturing(void *handle, int *capture_status) {
     ENTER(1);
     struct stream *s = stream_of(handle);
@@ -866,6 +884,7 @@ CUresult cuEventCreate(struct event **out, unsigned int flags) {
     struct event *e = calloc(1, sizeof *e);
     if (!e || !add((void **)events, e)) { free(e); FAIL(CUDA_ERROR_OUT_OF_MEMORY); }
     e->live = 1;
+    e->context = current;
     *out = e;
     LEAVE;
 }
@@ -876,6 +895,8 @@ CUresult cuEventRecord(struct event *e, void *handle) {
     ENTER(1);
     struct stream *s = stream_of(handle);
     if (find((void **)events, e) < 0 || !s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    /* "event and stream must be on the same context"; the legacy handles mean the current one's. */
+    if (e->context != (s == LEGACY ? current : s->context)) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     e->captured = s->capturing;
     e->stream = s;

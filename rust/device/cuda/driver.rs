@@ -36,6 +36,7 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuCtxSynchronize",
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
+    "cuStreamGetCtx",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
@@ -248,22 +249,33 @@ impl Context {
         Ok(value != 0)
     }
 
+    /// The driver's handle for the context.
+    pub fn raw(&self) -> u64 {
+        self.raw
+    }
+
     /// Makes this context current on the calling thread until the returned guard drops, which
     /// restores whatever was current before (errors included: the guard restores on any exit).
     /// Python threads, PyTorch's autograd threads and the C ABI's callers reach a device from
     /// threads of their own, whose current context belongs to them: PyTorch and CuPy keep their
     /// notion of the current device there, and a gpupool call must leave it as it found it.
     pub fn enter(&self) -> Result<Entered, DeviceError> {
-        let mut previous = std::ptr::null_mut();
-        // SAFETY: writes one context handle through a valid pointer.
-        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut previous) })?;
-        let previous = previous as u64;
-        if previous != self.raw {
-            // SAFETY: `raw` is a primary context this value retains.
-            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw as sys::CUcontext) })?;
-        }
-        Ok(Entered { previous: (previous != self.raw).then_some(previous) })
+        enter(self.raw)
     }
+}
+
+/// Makes context `raw` current, as [`Context::enter`] does; the caller knows it is alive (ours,
+/// or the context of a stream the caller keeps alive).
+pub fn enter(raw: u64) -> Result<Entered, DeviceError> {
+    let mut previous = std::ptr::null_mut();
+    // SAFETY: writes one context handle through a valid pointer.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut previous) })?;
+    let previous = previous as u64;
+    if previous != raw {
+        // SAFETY: a live context (see above).
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(raw as sys::CUcontext) })?;
+    }
+    Ok(Entered { previous: (previous != raw).then_some(previous) })
 }
 
 /// A context made current by [`Context::enter`]; dropping it makes the previous one current again.
