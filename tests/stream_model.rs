@@ -1,5 +1,6 @@
 //! Property test: random programs over 4 streams (alloc, record_stream, free, hold,
-//! synchronize) never hand a block to a stream while another stream may still use it.
+//! synchronize, replacing a stream by a new one) never hand a block to a stream while another
+//! stream may still use it.
 
 use gpupool::core::{Metric, StatType};
 use gpupool::device::{Device, Sim};
@@ -12,12 +13,21 @@ const STRATEGIES: &[&str] = &["default", "pytorch", "expandable", "pages", "aren
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { size: u64, stream: usize },
-    Record { which: usize, stream: usize },
+    Alloc {
+        size: u64,
+        stream: usize,
+    },
+    Record {
+        which: usize,
+        stream: usize,
+    },
     Free(usize),
     Hold(usize),
     Synchronize(usize),
     SynchronizeAll,
+    /// Destroys a side stream (its live allocations pass to the default stream) and creates a
+    /// new one in its place.
+    Replace(usize),
 }
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {
@@ -30,6 +40,7 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
         2 => stream.clone().prop_map(Op::Hold),
         2 => stream.prop_map(Op::Synchronize),
         1 => Just(Op::SynchronizeAll),
+        1 => (1usize..4).prop_map(Op::Replace),
     ];
     prop::collection::vec(op, 1..200)
 }
@@ -50,7 +61,7 @@ struct Busy {
 fn run(mode: CrossStreamReuse, strategy: &str, ops: &[Op]) {
     let config = Config::parse(&format!("strategy:{strategy},cross_stream_reuse:{}", mode.name())).unwrap();
     let mut pool = Pool::new(Sim::new(160 * MIB), config);
-    let streams: Vec<u32> = std::iter::once(0).chain((0..3).map(|_| pool.create_stream().unwrap())).collect();
+    let mut streams: Vec<u32> = std::iter::once(0).chain((0..3).map(|_| pool.create_stream().unwrap())).collect();
     let (mut live, mut busy): (Vec<Live>, Vec<Busy>) = (Vec::new(), Vec::new());
     for op in ops {
         // Work on an idle stream has finished: its freed ranges are safe from it.
@@ -99,6 +110,19 @@ fn run(mode: CrossStreamReuse, strategy: &str, ops: &[Op]) {
             Op::SynchronizeAll => {
                 pool.synchronize().unwrap();
                 assert_eq!(pool.pending_bytes(), 0);
+            }
+            Op::Replace(s) => {
+                pool.destroy_stream(streams[s]).unwrap();
+                streams[s] = pool.create_stream().unwrap();
+                // Destroying waited for the stream; what it owned, the default stream now owns.
+                busy.retain(|b| b.stream != s);
+                for l in &mut live {
+                    l.uses.retain(|&u| u != s);
+                    if l.stream == s {
+                        l.stream = 0;
+                        assert_eq!(pool.stream_of(l.a.handle).unwrap(), streams[0]);
+                    }
+                }
             }
             Op::Record { .. } | Op::Free(_) => {}
         }

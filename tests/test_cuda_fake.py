@@ -315,6 +315,27 @@ def test_another_devices_stream_is_fenced_from_its_own_context(fake):
     assert result["events"] >= 1 and result["destroyed"] == result["events"]
 
 
+def test_allocations_outlive_the_stream_they_were_made_on(fake):
+    # The Stream below dies at once; its allocation passes to the default stream and stays
+    # usable. It used to fail every free and copy ("stream 1 does not exist") and leak.
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0")
+        ptr = pool.alloc(1 << 20, stream=pool.stream())
+        ptr.copy_from_host(b"kept")
+        data = ptr.copy_to_host(size=4).decode()
+        stream = ptr.__cuda_array_interface__["stream"]
+        ptr.free()
+        pool.empty_cache()
+        report(data=data, stream=stream, allocated=pool.memory_allocated(), held=pool.device_memory_held())
+        """,
+        fake,
+    )
+    assert result["data"] == "kept"
+    assert result["stream"] == 1, "ordered on the legacy default stream, as the protocol spells it"
+    assert (result["allocated"], result["held"]) == (0, 0)
+
+
 def test_every_thread_gets_the_context(fake):
     result = fake_driver.run(
         """

@@ -163,7 +163,9 @@ class Stream:
         """Simulated devices: keeps the stream busy until synchronize()."""
     def query(self) -> bool: ...
     def synchronize(self) -> None: ...
-    def destroy(self) -> None: ...
+    def destroy(self) -> None:
+        """Waits for the stream and destroys it (as dropping the last reference does); its live
+        allocations pass to the pool's default stream, which orders their copies and frees."""
 
 class Device:
     """Direct backend access without pooling."""

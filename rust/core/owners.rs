@@ -69,4 +69,18 @@ impl Heap {
             e.unfenced = false;
         }
     }
+
+    /// A destroyed stream's allocated and pending blocks pass to `heir`: they stay usable
+    /// (freed, copied, exported) in `heir`'s order, since nothing of the old stream can still run.
+    pub fn hand_over(&mut self, stream: u32, heir: u32) {
+        for b in self.blocks.iter_mut() {
+            if b.segment != NIL && b.state != BlockState::Free && b.stream == stream {
+                b.stream = heir;
+                // The owner's own use needs no wait.
+                if heir < super::USE_OVERFLOW_BIT {
+                    b.uses &= !(1 << heir);
+                }
+            }
+        }
+    }
 }

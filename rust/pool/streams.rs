@@ -2,19 +2,22 @@
 
 use super::{Pool, PoolError};
 use crate::core::{Handle, Metric, StatType};
-use crate::device::{Device, StreamId};
+use crate::device::{Device, StreamId, DEFAULT_STREAM};
 
 impl<D: Device> Pool<D> {
     pub fn create_stream(&mut self) -> Result<StreamId, PoolError> {
         Ok(self.device.create_stream()?)
     }
 
-    /// Waits for `stream`, hands its cached blocks to every stream, and destroys it.
+    /// Waits for `stream`, hands its cached blocks to every stream and its live allocations to
+    /// the default stream (which always exists: their frees and copies need a stream), and
+    /// destroys it.
     pub fn destroy_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
         self.device.synchronize_stream(stream)?;
         self.deferred.poll(&mut self.device, &mut self.heap, false)?;
         self.device.destroy_stream(stream)?;
         self.heap.retire_stream(stream);
+        self.heap.hand_over(stream, DEFAULT_STREAM);
         Ok(())
     }
 

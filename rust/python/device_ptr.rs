@@ -133,7 +133,8 @@ impl PyDevicePtr {
     }
 
     pub fn memory(&self) -> interop::Memory<'_> {
-        interop::Memory { shared: &self.shared, address: self.address, size: self.size, stream: self.stream }
+        let (shared, address, size, stream, handle) = (&self.shared, self.address, self.size, self.stream, self.handle);
+        interop::Memory { shared, address, size, stream, handle }
     }
 
     pub fn check_host(&self) -> PyResult<()> {

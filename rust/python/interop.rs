@@ -4,6 +4,7 @@
 use super::dlpack::{self, DataType};
 use super::error::{pool_error, value_error};
 use super::pool::{DevicePool, Shared};
+use crate::core::Handle;
 use crate::device::{Device, StreamId, DEFAULT_STREAM};
 use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
@@ -16,6 +17,9 @@ pub struct Memory<'a> {
     pub size: u64,
     /// The stream the allocation was made on: consumers are ordered after it.
     pub stream: StreamId,
+    /// The allocation, whose stream the pool knows now (a destroyed stream's allocations pass
+    /// to the default stream).
+    pub handle: Option<Handle>,
 }
 
 /// `(kDLCUDA, N)` for `cuda:N`, `(kDLCPU, 0)` for host memory.
@@ -34,6 +38,11 @@ fn cuda_ordinal(shared: &Shared) -> Option<i32> {
 }
 
 impl Memory<'_> {
+    /// The stream the allocation's work is ordered on.
+    fn producer(&self, pool: &DevicePool) -> StreamId {
+        self.handle.and_then(|handle| pool.stream_of(handle).ok()).unwrap_or(self.stream)
+    }
+
     /// Version 3 of the CUDA Array Interface: `typestr`/`shape` describe the bytes, `stream` is
     /// the allocation's stream (1 for the legacy default stream, as the protocol spells it).
     pub fn cuda_array_interface<'py>(
@@ -48,8 +57,9 @@ impl Memory<'_> {
                 self.shared.device
             )));
         }
-        let stream =
-            self.shared.lock(py)?.device().stream_handle(self.stream).map(|raw| if raw == 0 { 1 } else { raw });
+        let pool = self.shared.lock(py)?;
+        let stream = pool.device().stream_handle(self.producer(&pool)).map(|raw| if raw == 0 { 1 } else { raw });
+        drop(pool);
         let d = PyDict::new(py);
         d.set_item("shape", shape.to_vec())?;
         d.set_item("typestr", typestr)?;
@@ -94,7 +104,7 @@ impl Memory<'_> {
 
     /// Makes the stream with raw handle `consumer` wait for the work queued on the allocation's.
     fn order_before(&self, pool: &mut DevicePool, consumer: u64) -> PyResult<()> {
-        let producer = self.stream;
+        let producer = self.producer(pool);
         let device = pool.device_mut();
         if device.stream_handle(producer) == Some(consumer) {
             return Ok(());
