@@ -42,13 +42,15 @@ pub fn bin_index(size: u64) -> usize {
 pub struct Bins {
     fl_bitmap: u64,
     sl_bitmap: [u32; FL_COUNT],
+    /// Empty until the first insert: a pool keeps bins per stream, and a trace may name
+    /// hundreds of thousands of streams that never free a block.
     heads: Box<[u32]>,
     len: usize,
 }
 
 impl Default for Bins {
     fn default() -> Self {
-        Bins { fl_bitmap: 0, sl_bitmap: [0; FL_COUNT], heads: vec![NIL; BIN_COUNT].into_boxed_slice(), len: 0 }
+        Bins { fl_bitmap: 0, sl_bitmap: [0; FL_COUNT], heads: Box::default(), len: 0 }
     }
 }
 
@@ -62,9 +64,18 @@ impl Bins {
         self.len == 0
     }
 
+    /// The first block of `bin`, NIL when it is empty.
+    #[inline(always)]
+    fn head(&self, bin: usize) -> u32 {
+        self.heads.get(bin).copied().unwrap_or(NIL)
+    }
+
     /// Pushes free block `id` onto the front of its bin (recently freed memory is warm).
     #[inline(always)]
     pub fn insert(&mut self, blocks: &mut [Block], id: u32) {
+        if self.heads.is_empty() {
+            self.heads = vec![NIL; BIN_COUNT].into_boxed_slice();
+        }
         let bin = bin_index(blocks[id as usize].size);
         let head = self.heads[bin];
         blocks[id as usize].bin_prev = NIL;
@@ -155,7 +166,7 @@ impl Bins {
     #[inline(always)]
     fn best_in_bin(&self, blocks: &[Block], bin: usize, size: u64) -> Option<u32> {
         let mut best: Option<(u64, u32)> = None;
-        let mut id = self.heads[bin];
+        let mut id = self.head(bin);
         for _ in 0..SCAN_LIMIT {
             if id == NIL {
                 break;
@@ -175,7 +186,7 @@ impl Bins {
         let mut out = Vec::with_capacity(self.len);
         let mut bin = self.next_non_empty_bin(0);
         while let Some(b) = bin {
-            let mut cur = self.heads[b];
+            let mut cur = self.head(b);
             while cur != NIL {
                 out.push(cur);
                 cur = blocks[cur as usize].bin_next;
@@ -192,7 +203,7 @@ impl Bins {
         for bin in 0..BIN_COUNT {
             let (fl, sl) = (bin / SL_COUNT, bin % SL_COUNT);
             let bit_set = self.sl_bitmap[fl] & (1 << sl) != 0;
-            let mut cur = self.heads[bin];
+            let mut cur = self.head(bin);
             if bit_set != (cur != NIL) {
                 return Err(format!("bin {bin}: bitmap says non-empty={bit_set}"));
             }
