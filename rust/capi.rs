@@ -65,9 +65,26 @@ struct DeviceState {
     live: HashMap<u64, Handle>,
     /// Imported raw stream handles.
     streams: HashMap<u64, StreamId>,
+    /// Frees the pool refused (a device call failed, and the free did not happen). The caller
+    /// never frees an address twice, so they are retried at the device's next call.
+    refused: Vec<Handle>,
 }
 
 impl DeviceState {
+    /// Frees `handle`, or keeps it to retry.
+    fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
+        self.pool.free(handle).inspect_err(|_| self.refused.push(handle))
+    }
+
+    /// Retries the refused frees; those refused again stay.
+    fn retry_refused(&mut self) {
+        if !self.refused.is_empty() {
+            for handle in std::mem::take(&mut self.refused) {
+                let _ = self.free(handle);
+            }
+        }
+    }
+
     fn stream(&mut self, handle: u64) -> Result<StreamId, PoolError> {
         if let Some(&id) = self.streams.get(&handle) {
             return Ok(id);
@@ -146,7 +163,8 @@ fn device_state(global: &mut Option<Global>, device: c_int) -> Result<SharedStat
         return Ok(state.clone());
     }
     let pool = Pool::new(g.backend.open(device, &g.config).map_err(|e| e.to_string())?, g.config.clone());
-    let state = Arc::new(Mutex::new(DeviceState { pool, live: HashMap::new(), streams: HashMap::new() }));
+    let state =
+        Arc::new(Mutex::new(DeviceState { pool, live: HashMap::new(), streams: HashMap::new(), refused: Vec::new() }));
     g.devices.insert(device, state.clone());
     Ok(state)
 }
@@ -167,6 +185,7 @@ fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, AllocError> 
     // PyTorch asks for 0 bytes for empty tensors; they still need a distinct, freeable address.
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?.max(1);
     with_device(device, |state| {
+        state.retry_refused();
         let stream = state.stream(stream).map_err(|e| e.to_string())?;
         match state.pool.alloc_on(size, stream) {
             Ok(allocation) => {
@@ -184,8 +203,9 @@ fn free(address: u64, device: c_int) -> Result<(), String> {
         .and_then(|g| g.devices.get(&device).cloned())
         .ok_or_else(|| format!("no pool for device {device}"))?;
     let mut state = lock(&state)?;
+    state.retry_refused();
     let handle = state.live.remove(&address).ok_or_else(|| format!("{address:#x} is not a live allocation"))?;
-    state.pool.free(handle).map_err(|e| e.to_string())
+    state.free(handle).map_err(|e| e.to_string())
 }
 
 fn record_stream(address: u64, stream: u64) -> Result<(), String> {
@@ -310,7 +330,9 @@ pub fn memory_stats(device: c_int) -> Option<Vec<(String, u64)>> {
 pub fn empty_cache() -> Result<u64, String> {
     let mut released = 0;
     for state in all_devices()? {
-        released += lock(&state)?.pool.empty_cache().map_err(|e| e.to_string())?;
+        let mut state = lock(&state)?;
+        state.retry_refused();
+        released += state.pool.empty_cache().map_err(|e| e.to_string())?;
     }
     Ok(released)
 }

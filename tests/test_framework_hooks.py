@@ -172,6 +172,48 @@ def test_record_stream_with_another_devices_stream_defers_the_free(fake):
     assert result["events"] >= 2 and result["destroyed"] == result["events"], "closing the pool destroys every event"
 
 
+def test_a_refused_free_is_retried_not_leaked(fake):
+    # PyTorch frees each address once. When the pool refuses a free (here the driver fails to
+    # record the side stream's event), the free has not happened; the C ABI retries it at the
+    # device's next call instead of losing the block.
+    result = run(
+        (
+            """
+        import os
+        import gpupool.torch
+        gpupool.torch.install("strategy:pytorch")
+        """,
+            INSTALLED,
+            """
+        use_context()
+        side = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(side), 1) == 0
+        ptr = alloc(3 * (1 << 20), 0, None)
+        record_stream(ptr, side)
+        launch(side.value, ptr, 3 * (1 << 20))
+        os.environ["FAKE_CUDA_FAIL_EVENT_RECORD"] = str(calls("cuEventRecord") + 1)
+        free(ptr, 3 * (1 << 20), 0, None)
+        error = gpupool.torch.last_error()
+        refused = gpupool.torch.memory_stats(0)["allocated_bytes.all.current"]
+        other = alloc(1 << 20, 0, None)      # retries the free: now it waits for the side stream
+        stats = gpupool.torch.memory_stats(0)
+        pending = stats["active_bytes.all.current"] - stats["allocated_bytes.all.current"]
+        complete(side.value)
+        free(other, 1 << 20, 0, None)
+        empty_cache()
+        report(error=error, refused=refused, pending=pending, violations=violations(),
+               reserved=gpupool.torch.memory_stats(0)["reserved_bytes.all.current"])
+        """,
+        ),
+        fake,
+    )
+    assert "cuEventRecord" in result["error"]
+    assert result["refused"] == 3 * MiB, "the refused free changed nothing"
+    assert result["pending"] == 3 * MiB, "the retry waits for the side stream like any free"
+    assert result["violations"] == 0
+    assert result["reserved"] == 0, "every block came back, so empty_cache returned every segment"
+
+
 def test_a_failed_allocation_is_thrown_not_returned_as_null(fake, caller):
     result = run(
         (

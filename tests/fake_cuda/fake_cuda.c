@@ -34,6 +34,7 @@
  *   FAKE_CUDA_INIT_ERROR       a status cuInit returns instead of success (e.g. 100, no device)
  *   FAKE_CUDA_GRANULARITY      the mapping granularity (default 2 MiB)
  *   FAKE_CUDA_FAIL_UNMAP       fail the Nth cuMemUnmap from now on (1 = the next one)
+ *   FAKE_CUDA_FAIL_EVENT_RECORD  fail the process's Nth cuEventRecord call (read at each call)
  *   FAKE_CUDA_FAIL_RELEASE     fail the process's Nth cuMemRelease (read at each call, so a test
  *                              may set it as it goes); the handle stays retained
  *   FAKE_CUDA_NO_PEER          "A:B,..." pairs of ordinals: device A cannot access device B's memory
@@ -72,6 +73,7 @@ enum {
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
     CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
+    CUDA_ERROR_UNKNOWN = 999,
 };
 
 #define MAX_DEVICES 8
@@ -891,8 +893,11 @@ CUresult cuEventCreate(struct event **out, unsigned int flags) {
 
 /* An event records the current end of a stream's queue; on a capturing stream it becomes a graph
  * node that cannot be queried or waited for from the host. */
+static unsigned long long event_records;
+
 CUresult cuEventRecord(struct event *e, void *handle) {
     ENTER(1);
+    if (++event_records == (unsigned long long)env_number("FAKE_CUDA_FAIL_EVENT_RECORD", 0)) FAIL(CUDA_ERROR_UNKNOWN);
     struct stream *s = stream_of(handle);
     if (find((void **)events, e) < 0 || !s) FAIL(CUDA_ERROR_INVALID_HANDLE);
     /* "event and stream must be on the same context"; the legacy handles mean the current one's. */
