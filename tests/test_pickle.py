@@ -79,15 +79,33 @@ def scalars(protocol: int, nan: bool = True) -> st.SearchStrategy:
     return st.one_of(options)
 
 
+# Dict keys and set members the reader takes: flat, so hashing them can neither recurse nor be
+# made to collide (ints beyond 64 bits can all share one hash).
+INT64 = st.integers(-(2**63), 2**64 - 1)
+
+
+def keys(protocol: int) -> st.SearchStrategy:
+    # No nan: nan keys hash by identity, which makes Hypothesis's unique draws irreproducible.
+    options = [st.none(), st.booleans(), INT64, st.floats(allow_nan=False), st.text()]
+    if protocol >= 3:
+        options.append(st.binary())
+    return st.one_of(options)
+
+
 def hashables(protocol: int) -> st.SearchStrategy:
+    """What Python can hash: keys, and tuples, frozensets and big ints, which the reader refuses."""
+
     def extend(inner):
         options = [st.lists(inner, max_size=4).map(tuple)]
         if protocol >= 4:
             options.append(st.frozensets(inner, max_size=4))
         return st.one_of(options)
 
-    # No nan: nan keys hash by identity, which makes Hypothesis's unique draws irreproducible.
-    return st.recursive(scalars(protocol, nan=False), extend, max_leaves=8)
+    return st.recursive(keys(protocol) | st.integers(), extend, max_leaves=8)
+
+
+def is_key(value) -> bool:
+    return value is None or type(value) in (bool, float, str, bytes) or type(value) is int and -(2**63) <= value < 2**64
 
 
 def trees(protocol: int) -> st.SearchStrategy:
@@ -99,10 +117,10 @@ def trees(protocol: int) -> st.SearchStrategy:
         options = [
             st.lists(inner, max_size=5),
             st.lists(inner, max_size=5).map(tuple),
-            st.dictionaries(hashables(protocol), inner, max_size=5),
+            st.dictionaries(keys(protocol), inner, max_size=5),
         ]
         if protocol >= 4:
-            options += [st.sets(hashables(protocol), max_size=5), st.frozensets(hashables(protocol), max_size=5)]
+            options += [st.sets(keys(protocol), max_size=5), st.frozensets(keys(protocol), max_size=5)]
         return st.one_of(options)
 
     return st.recursive(leaves, extend, max_leaves=20)
@@ -257,6 +275,27 @@ def test_every_opcode_python_knows_is_read_or_refused_by_name():
             load_pickle(bytes([unknown]) + b".")
 
 
+@pytest.mark.parametrize("container", ["dict", "set", "frozenset"])
+@given(key=hashables(4))
+def test_only_flat_keys_are_read(container, key):
+    value = {"dict": {key: 1}, "set": {key}, "frozenset": frozenset({key})}[container]
+    pickled = pickle.dumps(value, protocol=4)
+    if is_key(key):
+        assert graph(load_pickle(pickled)) == graph(pickle.loads(pickled))
+    else:
+        with pytest.raises(ValueError, match=r"at byte \d+: a (dict key|set member) is a"):
+            load_pickle(pickled)
+
+
+def test_ints_sharing_one_hash_are_refused_as_keys():
+    # Python hashes an int n as n % (2**61 - 1): these all collide.
+    colliding = {n * (2**61 - 1): None for n in range(1000)}
+    with pytest.raises(ValueError, match=r"SETITEMS at byte \d+: a dict key is an int beyond 64 bits"):
+        load_pickle(pickle.dumps(colliding, protocol=4))
+    widest = {-(2**63): 1, 2**64 - 1: 2}
+    assert load_pickle(pickle.dumps(widest)) == widest
+
+
 # Malformed programs that CPython's reader refuses too (with an exception type that varies by opcode).
 CPYTHON_ERRORS = (pickle.UnpicklingError, ValueError, TypeError, AttributeError, EOFError, KeyError, IndexError)
 MALFORMED = {
@@ -268,9 +307,9 @@ MALFORMED = {
     "APPEND to a dict": (b"\x80\x02}Na.", r"APPEND at byte 4: cannot add items to a dict"),
     "SETITEMS with a key only": (b"\x80\x02}(Nu.", r"SETITEMS at byte 5: an odd number of items \(1\)"),
     "DICT with a key only": (b"\x80\x02(Nd.", r"DICT at byte 4: an odd number of items"),
-    "a list as a dict key": (b"\x80\x02}]Ns.", r"SETITEM at byte 5: TypeError: unhashable type: 'list'"),
-    "a list in a set": (b"\x80\x04\x8f(]\x90.", r"ADDITEMS at byte 5: TypeError: unhashable type: 'list'"),
-    "a list in a frozenset": (b"\x80\x04(]\x91.", r"FROZENSET at byte 4: TypeError: unhashable type: 'list'"),
+    "a list as a dict key": (b"\x80\x02}]Ns.", r"SETITEM at byte 5: a dict key is a list"),
+    "a list in a set": (b"\x80\x04\x8f(]\x90.", r"ADDITEMS at byte 5: a set member is a list"),
+    "a list in a frozenset": (b"\x80\x04(]\x91.", r"FROZENSET at byte 4: a set member is a list"),
     "GET of a key never stored": (b"\x80\x02Nh\x05.", r"BINGET at byte 3: memo key 5 was never stored"),
     "PUT on an empty stack": (b"\x80\x02q\x00N.", r"BINPUT at byte 2: too few items"),
     "an unknown protocol": (b"\x80\x06N.", r"PROTO at byte 0: unsupported protocol 6"),
@@ -343,8 +382,10 @@ def test_random_programs_succeed_and_fail_as_cpython_does(pieces):
     try:
         loaded = load_pickle(data)
     except ValueError as error:
-        # CPython's SETITEM assigns to any object (a list by index); gpupool's fills dicts only.
-        assert re.match(r"SETITEMS? at byte \d+: cannot add items to a list$", str(error)), error
+        # CPython's SETITEM assigns to any object (a list by index); gpupool's fills dicts only,
+        # and only with flat keys.
+        refusals = r"cannot add items to a list$|a (dict key|set member) is a"
+        assert re.match(rf"\w+ at byte \d+: ({refusals})", str(error)), error
         return
     assert graph(loaded) == graph(expected)
 
@@ -353,7 +394,7 @@ def test_random_programs_succeed_and_fail_as_cpython_does(pieces):
 def test_every_truncation_of_a_pickle_is_a_value_error(protocol):
     value = {"segments": [{"address": 2**40, "blocks": [(1, -2.5, "s", None, True)]}], "big": -(2**100), "n": 7}
     if protocol >= 4:
-        value["set"] = {1, frozenset({2})}
+        value["set"] = {1, "two"}
     pickled = pickle.dumps(value, protocol=protocol)
     for end in range(len(pickled)):
         with pytest.raises(ValueError):
@@ -378,6 +419,7 @@ else:
     print("depth", depth)
 """
 DEEP = 1_000_000
+DEEP_TUPLE = b"N" + b"\x85" * DEEP  # None in a 1-tuple in a 1-tuple ...
 HOSTILE = {
     "LONG_BINPUT 0xFFFFFFF0": (
         b"\x80\x02Nr\xf0\xff\xff\xff.",
@@ -401,6 +443,19 @@ HOSTILE = {
     "1e6 nested lists": (b"\x80\x04" + b"]" * DEEP + b"a" * (DEEP - 1) + b".", rf"depth {DEEP - 1}$"),
     "1e6 nested tuples": (b"\x80\x04" + b"(" * DEEP + b")" + b"t" * DEEP + b".", rf"depth {DEEP}$"),
     "1e6 MARKs": (b"\x80\x04" + b"(" * DEEP + b".", r"ValueError: STOP at byte \d+: too few items"),
+    # Hashing a nested tuple recurses in C, one level per tuple, and would overflow the stack.
+    "a 1e6-deep tuple as a dict key": (
+        b"\x80\x04}" + DEEP_TUPLE + b"Ns.",
+        r"ValueError: SETITEM at byte \d+: a dict key is a tuple",
+    ),
+    "a 1e6-deep tuple in a set": (
+        b"\x80\x04\x8f(" + DEEP_TUPLE + b"\x90.",
+        r"ValueError: ADDITEMS at byte \d+: a set member is a tuple",
+    ),
+    "a 1e6-deep tuple in a frozenset": (
+        b"\x80\x04(" + DEEP_TUPLE + b"\x91.",
+        r"ValueError: FROZENSET at byte \d+: a set member is a tuple",
+    ),
 }
 
 

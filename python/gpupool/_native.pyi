@@ -22,8 +22,9 @@ def parse_size(text: str) -> int:
 
 def load_pickle(data: bytes) -> Any:
     """The plain data (None, bool, int, float, str, bytes, bytearray, tuple, list, dict, set,
-    frozenset) in a pickle of protocol 0 to 5, read without running code; anything else, or a
-    damaged pickle, is a ValueError naming the opcode and byte offset."""
+    frozenset) in a pickle of protocol 0 to 5, read without running code; dict keys and set
+    members must be None, bool, a 64-bit int, float, str or bytes. Anything else, or a damaged
+    pickle, is a ValueError naming the opcode and byte offset."""
 
 class OutOfMemoryError(MemoryError):
     """The device refused memory even after the pool released its fully free cached segments."""

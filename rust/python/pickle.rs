@@ -15,8 +15,8 @@ use pyo3::types::{
 };
 
 /// The object a pickle holds, if it is made of None, bools, ints, floats, str, bytes, bytearray,
-/// tuples, lists, dicts, sets and frozensets; any other pickle is a ValueError saying why, with
-/// the opcode and byte offset at fault.
+/// tuples, lists, dicts, sets and frozensets, with only [flat keys](check_key) in the dicts and
+/// sets; any other pickle is a ValueError saying why, with the opcode and byte offset at fault.
 #[pyfunction]
 pub fn load_pickle<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     let mut machine = Machine { py, stack: Vec::new(), marks: Vec::new(), memo: Vec::new(), memo_len: 0 };
@@ -88,6 +88,7 @@ impl<'py> Machine<'py> {
             }
             Op::FrozenSet => {
                 let mark = self.close_mark(step)?;
+                self.stack[mark..].iter().try_for_each(|member| check_key(member, "a set member", step))?;
                 PyFrozenSet::new(py, self.stack.drain(mark..)).map_err(building)?.into_any()
             }
             Op::Append | Op::Appends | Op::SetItem | Op::SetItems | Op::AddItems => return self.add_items(step),
@@ -132,6 +133,7 @@ impl<'py> Machine<'py> {
             Op::SetItem | Op::SetItems => set_items(target.cast_exact::<PyDict>().map_err(wrong_kind)?, items, step)?,
             _ => {
                 let set = target.cast_exact::<PySet>().map_err(wrong_kind)?;
+                items.iter().try_for_each(|item| check_key(item, "a set member", step))?;
                 items.iter().try_for_each(|item| set.add(item)).map_err(building)?;
             }
         }
@@ -230,9 +232,34 @@ fn set_items(dict: &Bound<'_, PyDict>, items: &[Bound<'_, PyAny>], step: &Step<'
         return Err(malformed(step, format!("an odd number of items ({}) for keys and values", items.len())));
     }
     for pair in items.chunks_exact(2) {
+        check_key(&pair[0], "a dict key", step)?;
         dict.set_item(&pair[0], &pair[1]).map_err(|e| building_error(dict.py(), step, e))?;
     }
     Ok(())
+}
+
+/// Dict keys and set members are refused unless flat: hashing a tuple (or frozenset) nested a
+/// million deep recurses in C until the stack overflows, and ints beyond 64 bits can be chosen to
+/// share one hash (`n % (2**61 - 1)`), which makes each insertion compare against all the
+/// others. Floats collide a few dozen at most, str and bytes hashes are salted. Snapshots key
+/// their dicts by str alone.
+fn check_key(key: &Bound<'_, PyAny>, what: &str, step: &Step<'_>) -> PyResult<()> {
+    let flat = key.is_none()
+        || key.is_exact_instance_of::<PyString>()
+        || key.is_exact_instance_of::<PyBytes>()
+        || key.is_exact_instance_of::<PyBool>()
+        || key.is_exact_instance_of::<PyFloat>();
+    if flat {
+        return Ok(());
+    }
+    if key.is_exact_instance_of::<PyInt>() {
+        if key.extract::<i64>().is_ok() || key.extract::<u64>().is_ok() {
+            return Ok(());
+        }
+        return Err(malformed(step, format!("{what} is an int beyond 64 bits")));
+    }
+    let kind = key.get_type().name().map_or_else(|_| "?".into(), |name| name.to_string());
+    Err(malformed(step, format!("{what} is a {kind}: only str, bytes, int, float, bool and None are read")))
 }
 
 // The text decoders are CPython's own, called as `_pickle.c` calls them, so the str objects match.
