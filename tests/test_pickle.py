@@ -467,3 +467,36 @@ def test_hostile_input_is_refused_without_allocating_or_recursing(case):
     out = child.stdout.decode().strip()
     assert child.returncode == 0, f"the child died ({child.returncode}): {child.stderr.decode()[-2000:]}"
     assert re.search(expected, out), out
+
+
+# The child caps its address space a little above what it has mapped, so the reader's stack,
+# marks or memo outgrow it after a few million opcodes.
+OUT_OF_MEMORY_CHILD = """
+import resource, sys
+from gpupool._native import load_pickle
+data = sys.stdin.buffer.read()
+with open("/proc/self/statm") as statm:
+    mapped = int(statm.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (32 << 20), resource.RLIM_INFINITY))
+try:
+    load_pickle(data)
+except MemoryError as error:
+    print("MemoryError:", error)
+"""
+LONG = 8 << 20
+GROWING = {
+    "the stack": b"N" * LONG,
+    "the marks": b"(" * LONG,
+    "the memo": b"N" + b"\x94" * LONG,
+}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS caps memory on Linux")
+@pytest.mark.parametrize("case", list(GROWING))
+def test_running_out_of_memory_is_a_memory_error_not_an_abort(case):
+    data = b"\x80\x04" + GROWING[case] + b"."
+    child = subprocess.run(
+        [sys.executable, "-c", OUT_OF_MEMORY_CHILD], input=data, capture_output=True, timeout=60, check=False
+    )
+    assert child.returncode == 0, f"the child died ({child.returncode}): {child.stderr.decode()[-2000:]}"
+    assert child.stdout.decode().startswith("MemoryError: out of memory for the pickle reader"), child.stdout

@@ -47,7 +47,7 @@ impl<'py> Machine<'py> {
         let building = |e: PyErr| building_error(py, step, e);
         let made = match step.op {
             Op::Mark => {
-                self.marks.push(self.stack.len());
+                push(&mut self.marks, self.stack.len())?;
                 return Ok(());
             }
             Op::Pop if self.marks.last() == Some(&self.stack.len()) => {
@@ -101,8 +101,7 @@ impl<'py> Machine<'py> {
             Op::StackGlobal => return Err(self.stack_global(step)),
             ref op => scalar(py, op).map_err(building)?,
         };
-        self.stack.push(made);
-        Ok(())
+        push(&mut self.stack, made)
     }
 
     /// APPEND(S), SETITEM(S) and ADDITEMS: the items on top go into the list, dict or set below.
@@ -168,6 +167,7 @@ impl<'py> Machine<'py> {
     fn memoize(&mut self, key: usize, step: &Step<'_>) -> PyResult<()> {
         let value = self.top(step)?.clone();
         if key >= self.memo.len() {
+            self.memo.try_reserve(key + 1 - self.memo.len()).map_err(out_of_memory)?;
             self.memo.resize(key + 1, None);
         }
         if self.memo[key].replace(value).is_none() {
@@ -183,6 +183,18 @@ impl<'py> Machine<'py> {
         let global = utf8(module).zip(utf8(name));
         value_error(PickleError::global(step.at, step.opcode, global))
     }
+}
+
+/// The stack, marks and memo grow by a word for each byte of input, so a long enough pickle runs
+/// out of memory in them: a MemoryError, where a plain `Vec::push` would abort the process.
+fn push<T>(items: &mut Vec<T>, item: T) -> PyResult<()> {
+    items.try_reserve(1).map_err(out_of_memory)?;
+    items.push(item);
+    Ok(())
+}
+
+fn out_of_memory(_: std::collections::TryReserveError) -> PyErr {
+    PyMemoryError::new_err("out of memory for the pickle reader's stack and memo")
 }
 
 /// The object an opcode that takes nothing from the stack pushes.
