@@ -85,6 +85,8 @@ MALFORMED_CSV = {
     ),
     "bad size": (f"{HEADER}\n0,0.0,allocate,0x10,-8,0x0\n", r"bad\.csv, line 2: bad size '-8'"),
     "short row": (f"{HEADER}\n0,0.0,allocate,0x10,8\n", r"bad\.csv, line 2: expected 6 fields"),
+    # Read whole, a gzip bomb of one line would take gigabytes before failing.
+    "a line without end": (f"{HEADER}\n" + "0" * (1 << 20), r"bad\.csv, line 2: the line is longer than 65536 bytes"),
 }
 
 

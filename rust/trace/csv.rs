@@ -10,12 +10,15 @@ use flate2::read::MultiGzDecoder;
 use flate2::write::GzEncoder;
 use std::fmt;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, BufWriter, Write};
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
 use std::path::Path;
 
 pub const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 const COLUMNS: [&str; 6] = ["Thread", "Time", "Action", "Pointer", "Size", "Stream"];
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+/// The longest line read: a row is under 100 bytes, and a file with no newline for longer (a
+/// compressed run of one byte, say) must not be read whole into memory to find out it is no CSV.
+pub const LONGEST_LINE: usize = 64 << 10;
 
 /// A trace that cannot be read, with where: the file and, once inside it, the line.
 #[derive(Debug)]
@@ -87,7 +90,8 @@ pub fn read(mut input: impl BufRead, source: &str) -> Result<Trace, CsvError> {
     let mut next_line = |text: &mut String| -> Result<bool, CsvError> {
         text.clear();
         line += 1;
-        match input.read_line(text) {
+        match (&mut input).take(LONGEST_LINE as u64 + 1).read_line(text) {
+            Ok(n) if n > LONGEST_LINE => Err(error(line, format!("the line is longer than {LONGEST_LINE} bytes"))),
             Ok(n) => Ok(n > 0),
             Err(e) => Err(error(line, format!("cannot read this line ({e}): is the file truncated, or not text?"))),
         }
