@@ -85,6 +85,15 @@ MALFORMED_CSV = {
     ),
     "bad size": (f"{HEADER}\n0,0.0,allocate,0x10,-8,0x0\n", r"bad\.csv, line 2: bad size '-8'"),
     "short row": (f"{HEADER}\n0,0.0,allocate,0x10,8\n", r"bad\.csv, line 2: expected 6 fields"),
+    # Past 2**64 ns or bytes, release builds would wrap around silently.
+    "a clock time past 2**64 ns": (
+        f"{HEADER}\n0,99999999999999999:0:0.5,allocate,0x10,8,0x0\n",
+        r"bad\.csv, line 2: bad time '99999999999999999:0:0\.5'",
+    ),
+    "more bytes live than 2**64": (
+        f"{HEADER}\n0,0.0,allocate,0x10,{2**63},0x0\n0,0.1,allocate,0x20,{2**63},0x0\n",
+        rf"bad\.csv, line 3: an allocation of {2**63} bytes takes the bytes live at once past 2\*\*64",
+    ),
     # Read whole, a gzip bomb of one line would take gigabytes before failing.
     "a line without end": (f"{HEADER}\n" + "0" * (1 << 20), r"bad\.csv, line 2: the line is longer than 65536 bytes"),
 }

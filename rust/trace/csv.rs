@@ -145,7 +145,8 @@ fn parse_hex(field: &str, what: &str) -> Result<u64, String> {
     u64::from_str_radix(digits, 16).map_err(|_| format!("bad {what} '{field}' (expected hex such as 0x7f3a00)"))
 }
 
-/// Nanoseconds from `S.fraction` or `H:M:S.fraction` or `H:M:S:micros`.
+/// Nanoseconds from `S.fraction` or `H:M:S.fraction` or `H:M:S:micros`; a time past 2**64 ns
+/// (585 years) is refused rather than wrapped.
 fn parse_time(field: &str) -> Result<u64, String> {
     let bad = || format!("bad time '{field}' (expected seconds such as 1.25 or a clock time HH:MM:SS.ffffff)");
     let parts: Vec<&str> = field.trim().split(':').collect();
@@ -153,9 +154,10 @@ fn parse_time(field: &str) -> Result<u64, String> {
         [s] => (0, *s),
         [h, m, s] => (hours_minutes(h, m).ok_or_else(bad)?, *s),
         [h, m, s, micros] if micros.len() == 6 => {
-            let whole = s.parse::<u64>().map_err(|_| bad())?;
-            let micros = micros.parse::<u64>().map_err(|_| bad())?;
-            return Ok(hours_minutes(h, m).ok_or_else(bad)? + whole * 1_000_000_000 + micros * 1000);
+            let whole = s.parse::<u64>().ok().and_then(|s| s.checked_mul(1_000_000_000));
+            let micros = micros.parse::<u64>().map_err(|_| bad())? * 1000;
+            let clock = hours_minutes(h, m).ok_or_else(bad)?;
+            return whole.and_then(|ns| ns.checked_add(micros)?.checked_add(clock)).ok_or_else(bad);
         }
         _ => return Err(bad()),
     };
@@ -165,12 +167,12 @@ fn parse_time(field: &str) -> Result<u64, String> {
     }
     let whole = whole.parse::<u64>().map_err(|_| bad())?;
     let fraction_ns = format!("{fraction:0<9}").parse::<u64>().map_err(|_| bad())?;
-    whole.checked_mul(1_000_000_000).and_then(|ns| ns.checked_add(fraction_ns + clock)).ok_or_else(bad)
+    whole.checked_mul(1_000_000_000).and_then(|ns| ns.checked_add(fraction_ns)?.checked_add(clock)).ok_or_else(bad)
 }
 
 fn hours_minutes(h: &str, m: &str) -> Option<u64> {
     let (h, m) = (h.parse::<u64>().ok()?, m.parse::<u64>().ok()?);
-    Some((h * 3600 + m * 60) * 1_000_000_000)
+    h.checked_mul(3600)?.checked_add(m.checked_mul(60)?)?.checked_mul(1_000_000_000)
 }
 
 /// Writes `trace` as RMM CSV: Time in seconds since the first event, thread 0.

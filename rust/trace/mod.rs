@@ -59,6 +59,8 @@ pub enum TraceError {
     /// An allocation at an address that is still live.
     LiveAddress(u64),
     UnknownAction(String),
+    /// An allocation that takes the bytes live at once past 2**64: sizes no device has.
+    LiveBytesOverflow(u64),
 }
 
 impl fmt::Display for TraceError {
@@ -67,6 +69,9 @@ impl fmt::Display for TraceError {
             TraceError::UnknownFree(a) => write!(f, "free of {a:#x}, which is not a live allocation of this trace"),
             TraceError::LiveAddress(a) => write!(f, "allocation at {a:#x}, which is still allocated (no free before)"),
             TraceError::UnknownAction(action) => write!(f, "unknown action '{action}'"),
+            TraceError::LiveBytesOverflow(size) => {
+                write!(f, "an allocation of {size} bytes takes the bytes live at once past 2**64")
+            }
         }
     }
 }
@@ -164,12 +169,13 @@ impl TraceBuilder {
         if address == 0 {
             return Ok(());
         }
+        let live_bytes = self.live_bytes.checked_add(size).ok_or(TraceError::LiveBytesOverflow(size))?;
         let slot = self.trace.slots;
         if self.live.insert(address, (slot, size)).is_some() {
             return Err(TraceError::LiveAddress(address));
         }
         self.trace.slots += 1;
-        self.live_bytes += size;
+        self.live_bytes = live_bytes;
         self.trace.peak_live_bytes = self.trace.peak_live_bytes.max(self.live_bytes);
         let stream = self.stream(stream);
         self.trace.events.push(Event { action: Action::Alloc, stream, slot, address, size, time_ns });
