@@ -91,3 +91,14 @@ def write(tmp_path: pathlib.Path, snapshot: dict[str, Any], name: str = "job.pic
     path = tmp_path / name
     path.write_bytes(pickle.dumps(snapshot))
     return path
+
+
+def write_deeply_nested(tmp_path: pathlib.Path, snapshot: dict[str, Any], depth: int = 100_000) -> pathlib.Path:
+    """``snapshot`` pickled with its one string "DEEP" replaced by a list nested ``depth`` deep,
+    which Python's own pickler would recurse too far to write."""
+    marker = b"X\x04\x00\x00\x00DEEP"  # protocol 2's BINUNICODE "DEEP"
+    data = pickle.dumps(snapshot, protocol=2)
+    assert data.count(marker) == 1
+    path = tmp_path / "deep.pickle"
+    path.write_bytes(data.replace(marker, b"]" * depth + b"a" * (depth - 1)))
+    return path

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from advice_snapshots import MiB, entry, warmed_up, write
+from advice_snapshots import MiB, entry, warmed_up, write, write_deeply_nested
 
 import gpupool
 from gpupool import cli
@@ -116,6 +116,27 @@ def test_damaged_and_hostile_files_are_errors_naming_the_file(tmp_path, monkeypa
             cli.main(["advise", str(path)])
         assert str(path.name) in str(error.value) and why in str(error.value)
     assert not (tmp_path / "pwned").exists()
+
+
+DEEP_PLACES = {
+    "entry": ({"device_traces": [["DEEP"]]}, r"device_traces\[0\], entry 0: expected a dict"),
+    "entry addr": (
+        {"device_traces": [[entry("alloc", 0, 8) | {"addr": "DEEP"}]]},
+        r"device_traces\[0\], entry 0: 'addr' must be",
+    ),
+    "segment": ({"device_traces": [], "segments": ["DEEP"]}, r"segment 0: expected a dict"),
+    "block": (
+        {"device_traces": [], "segments": [{"address": 0, "total_size": 8, "blocks": ["DEEP"]}]},
+        r"segment 0, block 0: expected a dict",
+    ),
+}
+
+
+@pytest.mark.parametrize("place", list(DEEP_PLACES))
+def test_a_deeply_nested_value_is_named_without_recursing(tmp_path, place):
+    snapshot, message = DEEP_PLACES[place]
+    with pytest.raises(ValueError, match=rf"deep\.pickle, {message}.* got \[\[\[\["):
+        gpupool.advise(write_deeply_nested(tmp_path, snapshot))
 
 
 def test_the_progress_bar_shows_on_a_terminal_only(tmp_path):

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import gzip
 import os
+import reprlib
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Union
@@ -159,13 +160,15 @@ Row = tuple[str, int, int, int, float]
 
 
 def _entry_row(entry: Any, where: str) -> Row:
-    """``(action, addr, size, stream, time_us)`` of one ``device_traces`` entry."""
+    """``(action, addr, size, stream, time_us)`` of one ``device_traces`` entry. Errors show
+    values by ``reprlib.repr``, which stops a few levels down: the plain repr of a list nested
+    100,000 deep raises RecursionError."""
     if not isinstance(entry, Mapping) or not isinstance(entry.get("action"), str):
-        raise ValueError(f"{where}: expected a dict with an 'action', got {entry!r:.80}")
+        raise ValueError(f"{where}: expected a dict with an 'action', got {reprlib.repr(entry)}")
     action = entry["action"]
     time_us = entry.get("time_us", 0)
     if not isinstance(time_us, (int, float)) or isinstance(time_us, bool):
-        raise ValueError(f"{where}: 'time_us' must be a number, got {time_us!r}")
+        raise ValueError(f"{where}: 'time_us' must be a number, got {reprlib.repr(time_us)}")
     if action == "snapshot":
         return (action, 0, 0, 0, float(time_us))
     # An `oom` entry holds the device's free bytes where others hold the block's address.
@@ -173,7 +176,7 @@ def _entry_row(entry: Any, where: str) -> Row:
     values = [entry.get(address_key), entry.get("size"), entry.get("stream", 0)]
     for key, value in zip((address_key, "size", "stream"), values, strict=True):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{where}: '{key}' must be a non-negative int, got {value!r}")
+            raise ValueError(f"{where}: '{key}' must be a non-negative int, got {reprlib.repr(value)}")
     return (action, values[0], values[1], values[2], float(time_us))
 
 

@@ -4,6 +4,7 @@ blocks, and where each allocation was made; read from plain data only, never run
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +81,7 @@ class Snapshot:
 
 def _int(value: Any, what: str, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{where}: '{what}' must be a non-negative int, got {value!r:.60}")
+        raise ValueError(f"{where}: '{what}' must be a non-negative int, got {reprlib.repr(value)}")
     return value
 
 
@@ -93,7 +94,7 @@ def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
     for index, block in enumerate(raw):
         at = f"{where}, block {index}"
         if not isinstance(block, Mapping):
-            raise ValueError(f"{at}: expected a dict, got {block!r:.60}")
+            raise ValueError(f"{at}: expected a dict, got {reprlib.repr(block)}")
         size = _int(block.get("size"), "size", at)
         address = _int(block.get("address", address), "address", at)
         requested = block.get("requested_size", size)
@@ -115,7 +116,7 @@ def _segments(snapshot: Mapping[str, Any], name: str) -> dict[int, list[Segment]
     for index, segment in enumerate(raw):
         where = f"{name}, segment {index}"
         if not isinstance(segment, Mapping):
-            raise ValueError(f"{where}: expected a dict, got {segment!r:.60}")
+            raise ValueError(f"{where}: expected a dict, got {reprlib.repr(segment)}")
         device = _int(segment.get("device", 0), "device", where)
         size = _int(segment.get("total_size"), "total_size", where)
         kind = segment.get("segment_type")
