@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from advice_snapshots import MiB, entry, warmed_up, write, write_deeply_nested
+from advice_snapshots import MiB, block, entry, segment, warmed_up, write, write_deeply_nested
 
 import gpupool
 from gpupool import cli
@@ -137,6 +137,25 @@ def test_a_deeply_nested_value_is_named_without_recursing(tmp_path, place):
     snapshot, message = DEEP_PLACES[place]
     with pytest.raises(ValueError, match=rf"deep\.pickle, {message}.* got \[\[\[\["):
         gpupool.advise(write_deeply_nested(tmp_path, snapshot))
+
+
+LIVE = "active_allocated"
+# Values the native side holds in 64 bits: beyond them, OverflowError tracebacks came instead.
+OUT_OF_RANGE = {
+    "entry addr": ([entry("alloc", 2**64, 8)], [], r"device_traces\[0\], entry 0: 'addr'"),
+    "entry time_us": ([entry("alloc", MiB, 8, time_us=10**400)], [], r"entry 0: 'time_us' must be a finite"),
+    "segment address": ([], [segment(2**64, MiB, [])], r"segment 0: 'address'"),
+    "segment total_size": ([], [segment(0, 2**64, [])], r"segment 0: 'total_size'"),
+    "block requested_size": ([], [segment(0, MiB, [block(0, MiB, 2**64, LIVE)])], r"block 0: 'requested_size'"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_RANGE))
+def test_values_beyond_64_bits_exit_with_a_message_naming_the_field(tmp_path, case):
+    entries, segments, message = OUT_OF_RANGE[case]
+    path = write(tmp_path, {"device_traces": [entries], "segments": segments})
+    with pytest.raises(SystemExit, match=rf"job\.pickle, .*{message}"):
+        cli.main(["advise", str(path)])
 
 
 def test_the_progress_bar_shows_on_a_terminal_only(tmp_path):

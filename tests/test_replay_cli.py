@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import pickle
 
 import pytest
 
@@ -96,3 +97,11 @@ def test_reads_the_shared_traces(capsys):
 def test_errors_exit_with_a_message(trace_file, argv, message):
     with pytest.raises(SystemExit, match=message):
         cli.main([arg.format(trace=trace_file) for arg in argv])
+
+
+def test_a_snapshot_value_beyond_64_bits_exits_with_a_message(tmp_path):
+    path = tmp_path / "huge.pickle"
+    entry = {"action": "alloc", "addr": 2**64, "size": 1, "stream": 0}
+    path.write_bytes(pickle.dumps({"device_traces": [[entry]], "segments": []}))
+    with pytest.raises(SystemExit, match=r"huge\.pickle, device_traces\[0\], entry 0: 'addr' must be .* below 2\*\*64"):
+        cli.main(["replay", str(path)])

@@ -213,6 +213,37 @@ MALFORMED_PICKLES = {
 }
 
 
+ABOVE_U64 = r"must be a non-negative int below 2\*\*64, got"
+
+
+def live_block(**fields) -> dict:
+    """A snapshot whose one segment holds a block allocated before recording began."""
+    block = {"address": 0x1000, "size": 512, "state": "active_allocated", **fields.pop("block", {})}
+    return {"device_traces": [[]], "segments": [{"address": 0x1000, "total_size": 512, "blocks": [block], **fields}]}
+
+
+# Values the native trace holds in 64 bits: beyond them, OverflowError tracebacks came instead.
+OUT_OF_RANGE = {
+    "addr 2**64": (snapshot_with(entry("alloc", addr=2**64, size=1)), rf"entry 1: 'addr' {ABOVE_U64} {2**64}"),
+    "size 2**64": (snapshot_with(entry("alloc", addr=32, size=2**64)), rf"entry 1: 'size' {ABOVE_U64}"),
+    "stream 2**64": (snapshot_with(dict(entry("alloc", addr=32, size=1), stream=2**64)), rf"'stream' {ABOVE_U64}"),
+    "device_free 2**64": (snapshot_with(entry("oom", device_free=2**64, size=1)), rf"'device_free' {ABOVE_U64}"),
+    "time_us 10**400": (snapshot_with(entry("alloc", addr=32, size=1, time_us=10**400)), r"'time_us' must be a finite"),
+    "time_us inf": (snapshot_with(entry("alloc", addr=32, size=1, time_us=float("inf"))), r"'time_us' must be"),
+    "time_us nan": (snapshot_with(entry("alloc", addr=32, size=1, time_us=float("nan"))), r"'time_us' must be"),
+    "live block address -5": (live_block(block={"address": -5}), rf"segment 0, block 0: 'address' {ABOVE_U64} -5"),
+    "live block size 2**64": (live_block(block={"requested_size": 2**64}), rf"block 0: 'requested_size' {ABOVE_U64}"),
+    "segment stream -1": (live_block(stream=-1), rf"snap\.pickle, segment 0: 'stream' {ABOVE_U64} -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_RANGE))
+def test_values_beyond_64_bits_are_value_errors_naming_the_field(tmp_path, case):
+    snapshot, message = OUT_OF_RANGE[case]
+    with pytest.raises(ValueError, match=message):
+        gtrace.load(dump(tmp_path, snapshot))
+
+
 @pytest.mark.parametrize("case", sorted(MALFORMED_PICKLES))
 def test_malformed_snapshots_name_the_file_and_entry(tmp_path, case):
     snapshot, message = MALFORMED_PICKLES[case]

@@ -159,6 +159,17 @@ def load(path: PathLike, device: int | None = None) -> Trace:
 Row = tuple[str, int, int, int, float]
 
 
+# Addresses, sizes and streams are unsigned 64-bit natively; times (in microseconds) are held to
+# the same magnitude, which also keeps out inf and nan.
+U64 = 1 << 64
+
+
+def _u64(value: Any, key: str, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < U64:
+        raise ValueError(f"{where}: '{key}' must be a non-negative int below 2**64, got {reprlib.repr(value)}")
+    return value
+
+
 def _entry_row(entry: Any, where: str) -> Row:
     """``(action, addr, size, stream, time_us)`` of one ``device_traces`` entry. Errors show
     values by ``reprlib.repr``, which stops a few levels down: the plain repr of a list nested
@@ -167,23 +178,23 @@ def _entry_row(entry: Any, where: str) -> Row:
         raise ValueError(f"{where}: expected a dict with an 'action', got {reprlib.repr(entry)}")
     action = entry["action"]
     time_us = entry.get("time_us", 0)
-    if not isinstance(time_us, (int, float)) or isinstance(time_us, bool):
-        raise ValueError(f"{where}: 'time_us' must be a number, got {reprlib.repr(time_us)}")
+    if not isinstance(time_us, (int, float)) or isinstance(time_us, bool) or not -U64 < time_us < U64:
+        raise ValueError(f"{where}: 'time_us' must be a finite number below 2**64, got {reprlib.repr(time_us)}")
     if action == "snapshot":
         return (action, 0, 0, 0, float(time_us))
     # An `oom` entry holds the device's free bytes where others hold the block's address.
     address_key = "device_free" if action == "oom" else "addr"
-    values = [entry.get(address_key), entry.get("size"), entry.get("stream", 0)]
-    for key, value in zip((address_key, "size", "stream"), values, strict=True):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{where}: '{key}' must be a non-negative int, got {reprlib.repr(value)}")
-    return (action, values[0], values[1], values[2], float(time_us))
+    address = _u64(entry.get(address_key), address_key, where)
+    size, stream = _u64(entry.get("size"), "size", where), _u64(entry.get("stream", 0), "stream", where)
+    return (action, address, size, stream, float(time_us))
 
 
-def _live_before(rows: list[Row], segments: list[Mapping[str, Any]]) -> list[tuple[int, int, int]]:
+def _live_before(
+    rows: list[Row], segments: list[tuple[int, Mapping[str, Any]]], name: str
+) -> list[tuple[int, int, int]]:
     """Blocks allocated before recording began, as ``(addr, size, stream)``: those whose first
     entry is a free (PyTorch's viewer draws them the same way), and those the snapshot's
-    segments show allocated that the trace never touches."""
+    segments (with their indices) show allocated that the trace never touches."""
     seen: set[int] = set()
     before: list[tuple[int, int, int]] = []
     for action, address, size, stream, _ in rows:
@@ -192,17 +203,21 @@ def _live_before(rows: list[Row], segments: list[Mapping[str, Any]]) -> list[tup
         if action in ("alloc", "free_completed"):
             seen.add(address)
     # A block the trace never touches was allocated before it and is still live.
-    for segment in segments:
+    for index, segment in segments:
         if not isinstance(segment.get("blocks"), list):
             continue
-        for block in segment["blocks"]:
+        for number, block in enumerate(segment["blocks"]):
             active = isinstance(block, Mapping) and block.get("state") in _ACTIVE_STATES
             address = block.get("address") if active else None
             if isinstance(address, int) and address not in seen:
-                size = block.get("requested_size") or block.get("size")
+                size_key = "requested_size" if block.get("requested_size") else "size"
+                size = block.get(size_key)
                 stream = segment.get("stream", 0)
                 if isinstance(size, int) and isinstance(stream, int):
-                    before.append((address, size, stream))
+                    at = f"{name}, segment {index}"
+                    block_at = f"{at}, block {number}"
+                    address, size = _u64(address, "address", block_at), _u64(size, size_key, block_at)
+                    before.append((address, size, _u64(stream, "stream", at)))
     return before
 
 
@@ -225,11 +240,11 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
     rows = [_entry_row(entry, f"{where}, entry {index}") for index, entry in enumerate(entries)]
     all_segments = snapshot.get("segments")
     segments = [
-        s
-        for s in (all_segments if isinstance(all_segments, list) else [])
+        (index, s)
+        for index, s in enumerate(all_segments if isinstance(all_segments, list) else [])
         if isinstance(s, Mapping) and s.get("device", 0) == device
     ]
-    native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments))
+    native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name))
     return Trace(native)
 
 

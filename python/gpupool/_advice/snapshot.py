@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool import trace as _trace
+from gpupool.trace import U64
 
 Row = tuple[str, int, int, int, float]
 
@@ -79,31 +80,25 @@ class Snapshot:
     settings: Mapping[str, Any] | None
 
 
-def _int(value: Any, what: str, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{where}: '{what}' must be a non-negative int, got {reprlib.repr(value)}")
-    return value
-
-
 def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
     """The segment's blocks; old snapshots give no block addresses, which follow from the sizes."""
     raw = segment.get("blocks", [])
     if not isinstance(raw, list):
         raise ValueError(f"{where}: 'blocks' must be a list")
-    blocks, address = [], _int(segment.get("address"), "address", where)
+    blocks, address = [], _trace._u64(segment.get("address"), "address", where)
     for index, block in enumerate(raw):
         at = f"{where}, block {index}"
         if not isinstance(block, Mapping):
             raise ValueError(f"{at}: expected a dict, got {reprlib.repr(block)}")
-        size = _int(block.get("size"), "size", at)
-        address = _int(block.get("address", address), "address", at)
+        size = _trace._u64(block.get("size"), "size", at)
+        address = _trace._u64(block.get("address", address), "address", at)
         requested = block.get("requested_size", size)
         frames = block.get("frames")
         history = block.get("history")
         if frames is None and isinstance(history, list) and history and isinstance(history[-1], Mapping):
             frames = history[-1].get("frames")
         live = block.get("state") in LIVE_STATES
-        blocks.append(Block(address, size, _int(requested, "requested_size", at), live, frames or ()))
+        blocks.append(Block(address, size, _trace._u64(requested, "requested_size", at), live, frames or ()))
         address += size
     return blocks
 
@@ -117,14 +112,14 @@ def _segments(snapshot: Mapping[str, Any], name: str) -> dict[int, list[Segment]
         where = f"{name}, segment {index}"
         if not isinstance(segment, Mapping):
             raise ValueError(f"{where}: expected a dict, got {reprlib.repr(segment)}")
-        device = _int(segment.get("device", 0), "device", where)
-        size = _int(segment.get("total_size"), "total_size", where)
+        device = _trace._u64(segment.get("device", 0), "device", where)
+        size = _trace._u64(segment.get("total_size"), "total_size", where)
         kind = segment.get("segment_type")
         small = kind == "small" if kind in ("small", "large") else size <= SMALL_SEGMENT
-        stream = _int(segment.get("stream", 0), "stream", where)
+        stream = _trace._u64(segment.get("stream", 0), "stream", where)
         pool_id = segment.get("segment_pool_id")
         parsed = Segment(
-            _int(segment.get("address"), "address", where),
+            _trace._u64(segment.get("address"), "address", where),
             size,
             small,
             stream,
@@ -142,9 +137,10 @@ def _fast_row(entry: Any) -> Row | None:
     if type(entry) is not dict:
         return None
     addr, size, stream, time_us = entry.get("addr"), entry.get("size"), entry.get("stream", 0), entry.get("time_us", 0)
-    if type(addr) is int and type(size) is int and type(stream) is int and addr >= 0 and size >= 0 and stream >= 0:
-        if type(time_us) is int or type(time_us) is float:
-            return (entry["action"], addr, size, stream, float(time_us))
+    if type(addr) is int and type(size) is int and type(stream) is int:
+        if 0 <= addr < U64 and 0 <= size < U64 and 0 <= stream < U64:
+            if (type(time_us) is int or type(time_us) is float) and -U64 < time_us < U64:
+                return (entry["action"], addr, size, stream, float(time_us))
     return None
 
 
