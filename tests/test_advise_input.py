@@ -15,7 +15,7 @@ from advice_snapshots import MiB, block, entry, segment, warmed_up, write, write
 
 import gpupool
 from gpupool import cli
-from gpupool._advice import settings
+from gpupool._advice import settings, sites
 
 
 def test_a_warmed_up_job_replays_from_where_recording_began(tmp_path):
@@ -156,6 +156,28 @@ def test_values_beyond_64_bits_exit_with_a_message_naming_the_field(tmp_path, ca
     path = write(tmp_path, {"device_traces": [entries], "segments": segments})
     with pytest.raises(SystemExit, match=rf"job\.pickle, .*{message}"):
         cli.main(["advise", str(path)])
+
+
+def frameless(place: str) -> dict:
+    """A snapshot whose one allocation records a number where its stack frames belong."""
+    if place == "entry":
+        entries, segments = warmed_up()
+        entries[0]["frames"] = 5
+        return {"device_traces": [entries], "segments": segments}
+    held = block(0, MiB, MiB, LIVE)
+    if place == "block":
+        held["frames"] = 7
+    else:
+        del held["frames"]
+        held["history"] = [{"frames": 3.5}]
+    return {"device_traces": [[]], "segments": [segment(0, 2 * MiB, [held])]}
+
+
+@pytest.mark.parametrize("place", ["entry", "block", "block history"])
+def test_frames_that_are_not_a_list_count_as_none(tmp_path, place):
+    advice = gpupool.advise(write(tmp_path, frameless(place)))
+    expected = (sites.UNKNOWN, 40 * MiB) if place == "entry" else (sites.BEFORE_RECORDING, MiB)
+    assert expected in advice.top_sites
 
 
 def test_the_progress_bar_shows_on_a_terminal_only(tmp_path):

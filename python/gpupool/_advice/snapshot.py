@@ -80,6 +80,11 @@ class Snapshot:
     settings: Mapping[str, Any] | None
 
 
+def _frames(value: Any) -> Sequence[Any]:
+    """Recorded stack frames: a list of them, or none when anything else is recorded there."""
+    return value if isinstance(value, (list, tuple)) else ()
+
+
 def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
     """The segment's blocks; old snapshots give no block addresses, which follow from the sizes."""
     raw = segment.get("blocks", [])
@@ -98,7 +103,7 @@ def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
         if frames is None and isinstance(history, list) and history and isinstance(history[-1], Mapping):
             frames = history[-1].get("frames")
         live = block.get("state") in LIVE_STATES
-        blocks.append(Block(address, size, _trace._u64(requested, "requested_size", at), live, frames or ()))
+        blocks.append(Block(address, size, _trace._u64(requested, "requested_size", at), live, _frames(frames)))
         address += size
     return blocks
 
@@ -164,7 +169,7 @@ def _device_rows(entries: list[Any], where: str) -> tuple[list[Row], dict[int, S
                 continue
             row = entry_row(entry, f"{where}, entry {index}")
         if action == "alloc":
-            stack = entry.get("frames")
+            stack = _frames(entry.get("frames"))
             if stack:
                 frames[len(rows)] = stack
         rows.append(row)
