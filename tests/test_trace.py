@@ -9,6 +9,8 @@ import pathlib
 import pickle
 import pickletools
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -504,3 +506,26 @@ def test_a_damaged_gzip_stream_is_a_value_error_naming_the_file(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="damaged.pickle.gz"):
         gtrace.load(path)
+
+
+# In a child: an int passed for a path used to be opened as a file descriptor and closed.
+DESCRIPTOR_CHILD = """
+import os, sys, gpupool
+call = {"load": gpupool.trace.load, "replay": gpupool.replay, "advise": gpupool.advise}[sys.argv[1]]
+try:
+    call(0)
+except TypeError as error:
+    print("TypeError:", error)
+os.fstat(0)
+print("stdin is open")
+"""
+
+
+@pytest.mark.parametrize("call", ["load", "replay", "advise"])
+def test_an_int_is_no_path_and_its_descriptor_stays_open(call):
+    command = [sys.executable, "-c", DESCRIPTOR_CHILD, call]
+    child = subprocess.run(command, input=SAMPLE.encode(), capture_output=True, timeout=60, check=False)
+    assert child.stdout.decode().splitlines() == [
+        "TypeError: expected str, bytes or os.PathLike object, not int",
+        "stdin is open",
+    ], child.stderr.decode()[-2000:]

@@ -151,9 +151,10 @@ def load(path: PathLike, device: int | None = None) -> Trace:
     ``device`` picks a snapshot's device; by default the one device with trace entries.
     Malformed input raises ``ValueError`` naming the file and the line or entry.
     """
+    path = os.fspath(path)  # an int would be opened as a file descriptor, and closed
     if _is_pickle(path):
-        return from_snapshot(_read_pickle(path), device=device, name=os.fspath(path))
-    return Trace(_native.Trace.read_csv(os.fspath(path)))
+        return from_snapshot(_read_pickle(path), device=device, name=path)
+    return Trace(_native.Trace.read_csv(path))
 
 
 Row = tuple[str, int, int, int, float]
