@@ -12,6 +12,8 @@ import sys
 
 import pytest
 from advice_snapshots import MiB, block, entry, segment, warmed_up, write, write_deeply_nested
+from hypothesis import given
+from hypothesis import strategies as st
 
 import gpupool
 from gpupool import cli
@@ -244,3 +246,46 @@ def test_unknown_recorded_settings_are_named_not_fatal():
     assert ran.env == "max_split_size_mb:64"
     assert ran.unknown[0] == "new_field (recorded field)"
     assert ran.unknown[1].startswith("future_knob:3 (unknown config key 'future_knob'")
+
+
+UNREADABLE_SETTINGS = {
+    "keys of mixed types": ({1: 2, "a": 3}, ["1 (recorded field)", "a (recorded field)"]),
+    "divisions of None": ({"roundup_power2_divisions": {"1": None}}, ["roundup_power2_divisions (recorded field: "]),
+    "divisions of inf": ({"roundup_power2_divisions": {"1": float("inf")}}, ["roundup_power2_divisions (recorded"]),
+    "divisions of nan": ({"roundup_power2_divisions": {"1": float("nan")}}, ["roundup_power2_divisions (recorded"]),
+    "divisions of text": ({"roundup_power2_divisions": {"1": "x"}}, ["roundup_power2_divisions (recorded field: "]),
+    "a superscript start": ({"roundup_power2_divisions": {"²": 2}}, ["roundup_power2_divisions (recorded field: "]),
+    "a contradiction": (
+        {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "expandable_segments": True},
+        ["expandable_segments:True ("],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE_SETTINGS))
+def test_unreadable_recorded_settings_are_named_and_left_out(case):
+    recorded, unknown = UNREADABLE_SETTINGS[case]
+    ran = settings.from_recorded(recorded)
+    assert len(ran.unknown) == len(unknown)
+    assert all(named.startswith(start) for named, start in zip(ran.unknown, unknown, strict=True)), ran.unknown
+    gpupool.Pool("sim", capacity="1GiB", config=settings.gpupool_config(ran.env))
+
+
+FIELDS = st.sampled_from(
+    ["max_split_size", "garbage_collection_threshold", "expandable_segments", "roundup_power2_divisions"]
+    + ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "backend"]
+)
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8))
+CONF = st.lists(st.sampled_from(["backend:cudaMallocAsync", "expandable_segments:True", "max_split_size_mb:64"]))
+
+
+@given(
+    recorded=st.dictionaries(
+        FIELDS | VALUES,
+        VALUES | CONF.map(",".join) | st.dictionaries(st.text(max_size=3) | st.integers(), VALUES, max_size=3),
+        max_size=5,
+    )
+)
+def test_any_recorded_settings_give_a_configuration_gpupool_takes(recorded):
+    ran = settings.from_recorded(recorded)
+    gpupool.Pool("sim", capacity="1GiB", config=settings.gpupool_config(ran.env))

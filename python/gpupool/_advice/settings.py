@@ -3,6 +3,7 @@ configuration that replays it."""
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,17 +61,25 @@ def _items(text: str) -> dict[str, str]:
 
 
 def _divisions(table: Any) -> str | None:
-    """``roundup_power2_divisions`` as recorded ({interval start in MiB: divisions}) in list form."""
+    """``roundup_power2_divisions`` as recorded ({interval start in MiB: divisions}) in list form;
+    a ValueError names the first entry that is not a start and a count."""
     if not isinstance(table, Mapping):
         return None
-    pairs = sorted((int(start), int(count)) for start, count in table.items() if str(start).isdigit())
+    pairs = []
+    for start, count in table.items():
+        # isascii: '²'.isdigit() is True, but int() refuses it.
+        readable = str(start).isascii() and str(start).isdigit()
+        if not readable or not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"cannot read {reprlib.repr(start)}: {reprlib.repr(count)}")
+        pairs.append((int(start), count))
     if not any(count > 1 for _, count in pairs):
         return None
-    return "[" + ",".join(f"{start}:{count}" for start, count in pairs) + "]"
+    return "[" + ",".join(f"{start}:{count}" for start, count in sorted(pairs)) + "]"
 
 
 def from_recorded(recorded: Mapping[str, Any] | None) -> Settings:
-    """The settings of ``allocator_settings`` (PyTorch's defaults when the snapshot has none)."""
+    """The settings of ``allocator_settings`` (PyTorch's defaults when the snapshot has none).
+    What cannot be read or taken is named in ``unknown`` and left out, never fatal."""
     if recorded is None:
         return Settings("", recorded=False)
     text = next((v for k in _STRING_KEYS if isinstance(v := recorded.get(k), str)), "")
@@ -83,13 +92,20 @@ def from_recorded(recorded: Mapping[str, Any] | None) -> Settings:
         items["garbage_collection_threshold"] = repr(float(threshold))
     if recorded.get("expandable_segments") is True:
         items["expandable_segments"] = "True"
-    if divisions := _divisions(recorded.get("roundup_power2_divisions")):
-        items["roundup_power2_divisions"] = divisions
-    unknown = [f"{k} (recorded field)" for k in sorted(recorded) if k not in _FIELDS and k not in _STRING_KEYS]
-    kept = {}
+    # Keys of any type may come from a damaged file: sorted by their text.
+    fields = sorted(recorded, key=str)
+    unknown = [f"{k} (recorded field)" for k in fields if k not in _FIELDS and k not in _STRING_KEYS]
+    try:
+        if divisions := _divisions(recorded.get("roundup_power2_divisions")):
+            items["roundup_power2_divisions"] = divisions
+    except ValueError as error:
+        unknown.append(f"roundup_power2_divisions (recorded field: {error})")
+    kept: dict[str, str] = {}
     for key, value in items.items():
+        # Checked with the items kept before it, so one that contradicts them (expandable
+        # segments under backend:cudaMallocAsync) is named and left out too.
         try:
-            _native.inert_keys(f"{key}:{value}")
+            _native.inert_keys(",".join(f"{k}:{v}" for k, v in {**kept, key: value}.items()))
         except ValueError as error:
             unknown.append(f"{key}:{value} ({error})")
             continue
