@@ -29,6 +29,19 @@ def test_bench_rejects_a_zero_repeat(capsys):
     assert "at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--capacity", "1e400"], r"^gpupool bench: capacity: unknown size unit in '1e400'$"),
+        (["--capacity", "0"], r"^gpupool bench: capacity must be positive$"),
+        (["--device", "sim", "--capacity", "1MiB"], r"^gpupool bench: device refused an allocation of 1048576 bytes$"),
+    ],
+)
+def test_bench_errors_exit_with_one_line(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["bench", "--repeat", "1", *argv])
+
+
 def test_module_runs_as_a_script():
     result = subprocess.run([sys.executable, "-m", "gpupool", "--help"], capture_output=True, text=True, check=True)
     assert "bench" in result.stdout

@@ -84,7 +84,11 @@ def _run_bench(args: argparse.Namespace) -> None:
     capacity = args.capacity
     if capacity is None and args.device == "sim":
         capacity = DEFAULT_SIM_CAPACITY
-    print(bench(args.device, capacity, args.repeat))
+    try:
+        print(bench(args.device, capacity, args.repeat))
+    # A bad capacity, or one too small for the workloads (each holds up to 1000 MiB).
+    except (ValueError, gpupool.OutOfMemoryError) as error:
+        raise SystemExit(f"gpupool bench: {error}") from None
 
 
 def _positive_int(text: str) -> int:
