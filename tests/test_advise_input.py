@@ -289,3 +289,23 @@ CONF = st.lists(st.sampled_from(["backend:cudaMallocAsync", "expandable_segments
 def test_any_recorded_settings_give_a_configuration_gpupool_takes(recorded):
     ran = settings.from_recorded(recorded)
     gpupool.Pool("sim", capacity="1GiB", config=settings.gpupool_config(ran.env))
+
+
+@pytest.mark.parametrize(
+    ("capacity", "error", "message"),
+    [
+        (-5, ValueError, "capacity must be non-negative, got -5"),
+        (0, ValueError, "capacity must be positive"),
+        ("0.1", ValueError, "capacity must be positive"),
+        (2**70, ValueError, f"capacity {2**70} is absurdly large"),
+        (1.5, TypeError, "capacity must be an int, not float"),
+    ],
+)
+def test_a_bad_capacity_is_refused_as_replay_refuses_it(tmp_path, capacity, error, message):
+    path = write(tmp_path, {"device_traces": [[entry("alloc", MiB, 8)]], "segments": []})
+    for call in (gpupool.advise, gpupool.advise_each, gpupool.replay):
+        with pytest.raises(error, match=message):
+            call(path, capacity=capacity)
+    if isinstance(capacity, str):
+        with pytest.raises(SystemExit, match=f"gpupool advise: {message}"):
+            cli.main(["advise", str(path), "--capacity", capacity])

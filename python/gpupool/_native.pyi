@@ -20,6 +20,10 @@ def cuda_mem_get_info(device: int = 0) -> tuple[int, int]:
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``80GiB``, ``512 MiB``, ``1.5GB`` or ``4096``."""
 
+def parse_capacity(capacity: int | str | None) -> int | None:
+    """Bytes of a device capacity (``None``, an int or a size such as ``80GiB``), checked as
+    ``replay`` checks it: zero, negative or absurd is a ValueError, another type a TypeError."""
+
 def load_pickle(data: bytes) -> Any:
     """The plain data (None, bool, int, float, str, bytes, bytearray, tuple, list, dict, set,
     frozenset) in a pickle of protocol 0 to 5, read without running code; dict keys and set

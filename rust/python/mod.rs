@@ -32,6 +32,7 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replay::replay, m)?)?;
     m.add("OutOfMemoryError", m.py().get_type::<error::OutOfMemoryError>())?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_capacity, m)?)?;
     m.add_function(wrap_pyfunction!(advise::replay_from_start, m)?)?;
     m.add_function(wrap_pyfunction!(advise::matched_in_order, m)?)?;
     m.add_function(wrap_pyfunction!(advise::inert_keys, m)?)?;
@@ -46,4 +47,10 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[pyfunction]
 fn parse_size(text: &str) -> PyResult<u64> {
     crate::pool::parse_size(text).map_err(error::value_error)
+}
+
+/// A device's capacity in bytes, checked as `replay` and `Pool` check theirs.
+#[pyfunction]
+fn parse_capacity(capacity: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    device::capacity_arg(capacity)
 }

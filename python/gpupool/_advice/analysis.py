@@ -213,12 +213,6 @@ def load(source: Any) -> Snapshot:
     return snapshot.read(path) if gtrace._is_pickle(path) else _traced(gtrace.load(path))
 
 
-def _capacity(capacity: int | str | None) -> int | None:
-    if capacity is None or isinstance(capacity, int):
-        return capacity
-    return _native.parse_size(capacity)
-
-
 def advise_each(source: Any, capacity: int | str | None = None, progress: Progress | None = None) -> list[Advice]:
     """The advice for every device of ``source`` (see ``advise``) that has a history or segments."""
     # Advice builds plain data only; a million-event snapshot is millions of objects that the
@@ -228,11 +222,11 @@ def advise_each(source: Any, capacity: int | str | None = None, progress: Progre
 
 
 def _advise_each(source: Any, capacity: int | str | None, progress: Progress | None) -> list[Advice]:
+    limit = _native.parse_capacity(capacity)  # before loading: a bad one fails at once
     loaded = load(source)
     if not loaded.devices:
         raise ValueError(f"{loaded.name}: no device has a history or segments")
     ran = settings.from_recorded(loaded.settings)
-    limit = _capacity(capacity)
     return [advise_device(loaded.name, record, ran, limit, progress) for record in loaded.devices]
 
 
@@ -250,6 +244,7 @@ def advise(source: Any, capacity: int | str | None = None, device: int | None = 
 
 
 def _advise_one(source: Any, capacity: int | str | None, device: int | None) -> Advice:
+    limit = _native.parse_capacity(capacity)
     loaded = load(source)
     records = [r for r in loaded.devices if device is None or r.device == device]
     if not records:
@@ -259,4 +254,4 @@ def _advise_one(source: Any, capacity: int | str | None, device: int | None) -> 
         have = [r.device for r in records]
         raise ValueError(f"{loaded.name}: devices {have} have data; pick one with device=N, or use advise_each")
     ran = settings.from_recorded(loaded.settings)
-    return advise_device(loaded.name, records[0], ran, _capacity(capacity))
+    return advise_device(loaded.name, records[0], ran, limit)
