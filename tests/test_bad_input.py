@@ -89,6 +89,15 @@ def test_freed_memory_cannot_be_read(pool):
         np.asarray(ptr)
 
 
+def test_copies_from_a_device_without_bytes_are_refused_before_any_buffer():
+    sim = gpupool.Pool("sim", capacity=1 << 50)
+    huge = sim.alloc(1 << 48)  # no host could hold a bytes object this large
+    with pytest.raises(ValueError, match="device 'sim' does not support copies"):
+        huge.copy_to_host()
+    assert huge.copy_to_host(size=0) == b""
+    check_pool(sim, [huge])
+
+
 @pytest.mark.parametrize(("length", "offset"), [(4097, 0), (1, 4096), (4096, 1), (1, -1)])
 def test_writes_past_the_allocation_are_refused(pool, length, offset):
     ptr = pool.alloc(4096)

@@ -341,6 +341,10 @@ impl PyDevicePtr {
         let offset = offset.map_or(Ok(0), |o| size_arg(o, "offset"))?;
         let len = size.map_or(Ok(self.size.saturating_sub(offset)), |s| size_arg(s, "size"))?;
         self.check_span(offset, len)?;
+        // Before the bytes object: it is allocated and zeroed, which for `sim` may be GiBs.
+        if len > 0 && !self.shared.holds_bytes() {
+            return Err(value_error(format!("device '{}' does not support copies", self.shared.device)));
+        }
         PyBytes::new_with(py, len as usize, |out| {
             if out.is_empty() {
                 return self.check_live();

@@ -50,6 +50,11 @@ impl Shared {
             Err(why) => Err(poisoned_pool(&self.device, &why)),
         }
     }
+
+    /// Whether addresses have bytes behind them that copies reach (`sim`'s have none).
+    pub fn holds_bytes(&self) -> bool {
+        self.host_accessible || self.device.starts_with("cuda:")
+    }
 }
 
 pub type PoolGuard<'a, 'py> = GilGuard<'a, 'py, DevicePool>;
