@@ -80,6 +80,20 @@ def test_views_have_dtype_and_shape(pool):
     assert np.from_dlpack(ptr.view("bool", (2, 3))).dtype == np.bool_
 
 
+@pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.0.0", reason="NumPy 1 passes no copy argument")
+def test_asarray_copies_only_when_asked_or_converting(pool):
+    ptr = pool.alloc(16)
+    same = np.asarray(ptr, dtype=np.uint8, copy=False)
+    same[:] = 5
+    assert ptr.copy_to_host() == b"\x05" * 16, "an array of the bytes' own dtype is no copy"
+    with pytest.raises(ValueError, match="copy=False"):
+        np.asarray(ptr, dtype=np.float32, copy=False)
+    for copied in (np.asarray(ptr, copy=True), np.asarray(ptr, dtype=np.float32)):
+        copied[:] = 7
+    assert ptr.copy_to_host() == b"\x05" * 16, "a copy wrote through"
+    assert ptr.exports == 1, "a copy still pins the bytes"
+
+
 @pytest.mark.parametrize(
     ("dtype", "shape", "error"),
     [

@@ -247,7 +247,8 @@ impl PyDevicePtr {
     }
 
     /// A zero-copy uint8 NumPy array of the bytes (host memory only). It is an export: the bytes
-    /// stay put while the array (or any view of it) is alive, even after `free()`.
+    /// stay put while the array (or any view of it) is alive, even after `free()`. As NumPy 2
+    /// asks, another `dtype` or `copy=True` gives a copy, and `copy=False` refuses to make one.
     #[pyo3(signature = (dtype = None, copy = None))]
     fn __array__<'py>(
         slf: &Bound<'py, Self>,
@@ -255,12 +256,20 @@ impl PyDevicePtr {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         slf.get().check_host()?;
+        let numpy = slf.py().import("numpy")?;
         let export = Bound::new(slf.py(), Self::pin(slf)?)?;
-        let array = slf.py().import("numpy")?.call_method1("asarray", (export,))?;
-        match (dtype.filter(|d| !d.is_none()), copy) {
-            (Some(dtype), _) => array.call_method1("astype", (dtype,)),
-            (None, Some(true)) => array.call_method0("copy"),
-            (None, _) => Ok(array),
+        let array = numpy.call_method1("asarray", (export,))?;
+        let dtype = match dtype.filter(|d| !d.is_none()) {
+            Some(dtype) => numpy.call_method1("dtype", (dtype,))?,
+            None => array.getattr("dtype")?,
+        };
+        let converts = !dtype.eq(array.getattr("dtype")?)?;
+        match copy {
+            Some(false) if converts => {
+                Err(value_error(format!("the bytes are uint8: {dtype} needs a copy, and copy=False forbids one")))
+            }
+            _ if converts || copy == Some(true) => array.call_method1("astype", (dtype,)),
+            _ => Ok(array),
         }
     }
 
