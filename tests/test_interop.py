@@ -142,6 +142,18 @@ def test_export_refusals(pool):
     assert not hasattr(sim, "__cuda_array_interface__")
 
 
+def test_numpy_refuses_memory_the_host_cannot_read(pool):
+    ptr = gpupool.Pool("sim", capacity="1GiB").alloc(16)
+    for source in (ptr, ptr.view("f4")):
+        with pytest.raises(TypeError, match="device 'sim' is not host-accessible"):
+            np.asarray(source)
+    del source
+    assert ptr.exports == 0, "a refused conversion left its pin"
+    view = pool.alloc(16).view("f4")
+    view.__array__()[:] = 1.5  # called directly on host memory, it is the zero-copy array
+    assert np.asarray(view).sum() == 6
+
+
 def test_simulated_streams_have_no_handles(pool):
     assert pool.default_stream.handle is None and pool.stream().handle is None
     with pytest.raises(RuntimeError, match="external streams"):

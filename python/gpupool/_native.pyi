@@ -49,7 +49,7 @@ class DevicePtr:
     def exports(self) -> int:
         """Live exports of the bytes (arrays, views, DLPack capsules)."""
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
-        """A zero-copy uint8 NumPy array (host device only); it pins the bytes while alive."""
+        """A zero-copy uint8 NumPy array (host device only, else TypeError); it pins the bytes while alive."""
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """Version 3 uint8 view with the allocation's stream; CUDA devices only. Not a pin."""

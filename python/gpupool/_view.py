@@ -93,6 +93,17 @@ class View:
     def __array_interface__(self) -> dict[str, Any]:
         return {**self._export.__array_interface__, "shape": self.shape, "typestr": self.typestr}
 
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        # NumPy takes an error from ``__array_interface__`` for "no interface" and comes here: say
+        # why, where it would otherwise wrap the view in a 0-d object array.
+        try:
+            self._export.__array_interface__  # noqa: B018 - raises for memory the host cannot read
+        except AttributeError as e:
+            raise TypeError(str(e)) from None
+        import numpy
+
+        return numpy.array(self, dtype=dtype, copy=copy)
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         return {**self._export.__cuda_array_interface__, "shape": self.shape, "typestr": self.typestr}

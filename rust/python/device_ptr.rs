@@ -13,7 +13,7 @@ use super::stream::PyStream;
 use crate::core::Handle;
 use crate::device::StreamId;
 use crate::pool::{Allocation, HeldBlock};
-use pyo3::exceptions::PyAttributeError;
+use pyo3::exceptions::{PyAttributeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -137,12 +137,14 @@ impl PyDevicePtr {
         interop::Memory { shared, address, size, stream, handle }
     }
 
+    /// For the array-interface getters: their AttributeError tells NumPy the interface is absent.
     pub fn check_host(&self) -> PyResult<()> {
+        self.host_only().map_err(PyAttributeError::new_err)
+    }
+
+    fn host_only(&self) -> Result<(), String> {
         if !self.shared.host_accessible {
-            return Err(PyAttributeError::new_err(format!(
-                "memory on device '{}' is not host-accessible",
-                self.shared.device
-            )));
+            return Err(format!("memory on device '{}' is not host-accessible", self.shared.device));
         }
         Ok(())
     }
@@ -255,7 +257,8 @@ impl PyDevicePtr {
         dtype: Option<&Bound<'py, PyAny>>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        slf.get().check_host()?;
+        // As PyTorch and CuPy refuse to convert device memory implicitly.
+        slf.get().host_only().map_err(PyTypeError::new_err)?;
         let numpy = slf.py().import("numpy")?;
         let export = Bound::new(slf.py(), Self::pin(slf)?)?;
         let array = numpy.call_method1("asarray", (export,))?;
