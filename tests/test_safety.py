@@ -274,6 +274,35 @@ def test_a_failed_free_changes_nothing_and_can_be_retried():
     pool.check_invariants()
 
 
+# The failed release is reported as CPython does in destructors.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(
+    "faults",
+    [
+        {"probability": 0.5, "seed": 0, "calls": ["record_event", "synchronize"]},
+        {"nth": 1, "effect": "panic", "calls": ["record_event"]},
+    ],
+)
+def test_held_bytes_whose_release_failed_come_back_at_the_next_synchronize(faults):
+    pool = gpupool.Pool("host", inject_faults=faults)
+    side = pool.stream()
+    ptr = pool.alloc(MiB)
+    ptr.record_stream(side)
+    view = np.asarray(ptr)
+    ptr.free()
+    del view  # the last export: the device refuses the waits and the synchronize it falls back to
+    assert pool.memory_stats()["active_bytes.all.current"] == MiB
+    for _ in range(50):  # until the device works again
+        try:
+            pool.empty_cache()
+            break
+        except RuntimeError:
+            pass
+    assert pool.memory_stats()["active_bytes.all.current"] == 0
+    assert pool.memory_reserved() == 0 and pool.device_memory_held() == 0
+    pool.check_invariants()
+
+
 def _is_panic(error: BaseException) -> bool:
     return type(error).__name__ == "PanicException"
 

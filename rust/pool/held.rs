@@ -5,7 +5,8 @@
 //! is a double free) but keeps the bytes where they are: the block stays pending, active and
 //! neither reused nor unmapped, like a free waiting on another stream's work, until whoever
 //! counted the exports releases it. Only then does the usual free path run (events for other
-//! streams' uses, the cache, the release watermark).
+//! streams' uses, the cache, the release watermark); a release the device fails is completed
+//! by the next synchronize.
 
 use super::{Pool, PoolError};
 use crate::core::Handle;
@@ -32,26 +33,40 @@ impl<D: Device> Pool<D> {
     /// The last reference to a held block's bytes is gone: it is freed as [`Pool::free`] would,
     /// waiting for other streams that used it. If the device refuses to record those waits, the
     /// whole device is synchronized instead (nothing can then still use the block); if it refuses
-    /// that too, the block stays held and the error is returned with the block to retry with.
-    pub fn release_held(&mut self, block: HeldBlock) -> Result<(), (HeldBlock, PoolError)> {
+    /// that too (or panics), the block stays held and the error is returned, and the next
+    /// [`Pool::synchronize`] (which `empty_cache` and the out-of-memory ladder call) releases it.
+    pub fn release_held(&mut self, block: HeldBlock) -> Result<(), PoolError> {
         let id = block.id;
+        // Queued first, so that neither a refusal nor a panic below loses the block.
+        self.unreleased.push(block);
         let (uses, segment) = {
             let b = self.heap.block_at(id);
             (b.uses, b.segment)
         };
         let waits = match self.deferred.record_waits(&mut self.device, id, uses) {
             Ok(waits) => waits,
-            Err(_) => match self.device.synchronize_device() {
-                Ok(()) => Vec::new(),
-                Err(e) => return Err((block, e.into())),
-            },
+            Err(_) => {
+                self.device.synchronize_device()?;
+                Vec::new()
+            }
         };
+        self.unreleased.pop();
         self.held -= 1;
         self.wait_or_cache(id, segment, waits);
         Ok(())
     }
 
-    /// How many freed blocks are held for their exports.
+    /// Releases the held blocks whose release failed; the device has just synchronized, so
+    /// nothing uses them. One at a time: a panic in one's release leaves the rest queued.
+    pub(super) fn settle_unreleased(&mut self) {
+        while let Some(block) = self.unreleased.pop() {
+            let segment = self.heap.block_at(block.id).segment;
+            self.held -= 1;
+            self.wait_or_cache(block.id, segment, Vec::new());
+        }
+    }
+
+    /// How many freed blocks are held for their exports, or until the next synchronize.
     pub fn held_blocks(&self) -> usize {
         self.held
     }

@@ -51,6 +51,8 @@ pub struct Pool<D: Device> {
     growth: Growth,
     /// Freed blocks kept pending for their exports (see `held.rs`).
     held: usize,
+    /// Held blocks whose release the device refused: the next synchronize releases them.
+    unreleased: Vec<HeldBlock>,
     /// Allocations freed while a stream they use was being captured into a CUDA graph.
     held_for_capture: Vec<Handle>,
     /// Whether the device's streams can be captured: only then must the hot path ask.
@@ -75,6 +77,7 @@ impl<D: Device> Pool<D> {
             expandable,
             growth,
             held: 0,
+            unreleased: Vec::new(),
             held_for_capture: Vec::new(),
             captures_graphs: false,
         };

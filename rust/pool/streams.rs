@@ -55,6 +55,7 @@ impl<D: Device> Pool<D> {
     /// become shared.
     pub fn synchronize(&mut self) -> Result<(), PoolError> {
         self.device.synchronize_device()?;
+        self.settle_unreleased();
         self.settle_captured_frees()?;
         // Pending blocks first: completing them frees blocks that the fences must then cover.
         self.deferred.poll(&mut self.device, &mut self.heap, true)?;

@@ -99,18 +99,15 @@ impl PyDevicePtr {
     }
 
     /// An export is gone. The last one of a freed pointer releases the held block; the device
-    /// may be called then (other streams' uses), so the interpreter is detached for it.
+    /// may be called then (other streams' uses), so the interpreter is detached for it. If that
+    /// fails, the pool keeps the block for its next synchronize.
     pub fn unpin(&self, py: Python<'_>) -> PyResult<()> {
         self.shared.lock(py)?.detach(|pool| {
             if self.exports.fetch_sub(1, Ordering::Relaxed) != 1 {
                 return Ok(());
             }
-            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(block) = held.take() else { return Ok(()) };
-            pool.release_held(block).map_err(|(block, e)| {
-                *held = Some(block);
-                pool_error(e)
-            })
+            let held = self.held.lock().unwrap_or_else(|e| e.into_inner()).take();
+            held.map_or(Ok(()), |block| pool.release_held(block).map_err(pool_error))
         })
     }
 
