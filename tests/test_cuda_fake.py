@@ -63,6 +63,39 @@ def test_pool_round_trip_caches_driver_allocations(fake):
     assert result["after_empty"] == 0 and result["frees"] == 2
 
 
+def test_a_forked_child_refuses_the_parents_cuda_pool(fake):
+    result = fake_driver.run(
+        """
+        import gc, os
+        pool = gpupool.Pool("cuda")
+        ptr = pool.alloc(100)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                pool.alloc(100)
+                message = "served"
+            except RuntimeError as e:
+                message = str(e)
+            before = calls("cuCtxSynchronize") + calls("cuMemFree_v2")
+            del ptr, pool
+            gc.collect()  # the destructors leave the parent's memory to the parent
+            after = calls("cuCtxSynchronize") + calls("cuMemFree_v2")
+            os.write(write, json.dumps([message, after - before]).encode())
+            os._exit(0)
+        os.close(write)
+        message, child_calls = json.loads(os.read(read, 4096))
+        assert os.waitpid(pid, 0)[1] == 0
+        ptr.free()
+        pool.check_invariants()
+        report(message=message, child_calls=child_calls)
+        """,
+        fake,
+    )
+    assert "made before this process forked: CUDA memory cannot be used" in result["message"]
+    assert result["child_calls"] == 0
+
+
 def test_copies_outside_an_allocation_are_refused(fake):
     result = fake_driver.run(
         """

@@ -303,6 +303,46 @@ def test_held_bytes_whose_release_failed_come_back_at_the_next_synchronize(fault
     pool.check_invariants()
 
 
+def test_a_forked_child_uses_idle_pools_and_refuses_busy_ones_without_hanging():
+    out = run_child(
+        """
+        import os, threading, time, gpupool
+        idle = gpupool.Pool("host")
+        kept = idle.alloc(4096)
+        kept.copy_from_host(b"k" * 4096)
+        busy = gpupool.Pool("host", inject_faults={"delay": 0.5})
+        inside = busy.alloc(4096)
+        worker = threading.Thread(target=inside.copy_from_host, args=(b"w" * 4096,))
+        worker.start()
+        time.sleep(0.2)  # the worker holds the busy pool, detached, for its slow copy
+        pid = os.fork()
+        if pid == 0:
+            try:
+                busy.alloc(100)
+            except RuntimeError as e:
+                assert "another thread was inside it" in str(e), e
+            assert kept.copy_to_host() == b"k" * 4096
+            side = threading.Thread(target=lambda: idle.alloc(1 << 20).free())
+            side.start()
+            side.join()
+            kept.free()
+            idle.check_invariants()
+            print("child ok", flush=True)
+            os._exit(0)
+        worker.join()
+        deadline = time.monotonic() + 10
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                raise SystemExit("the child hung")
+            time.sleep(0.05)
+        busy.alloc(100).free()
+        print("parent ok")
+        """
+    )
+    assert out.split() == ["child", "ok", "parent", "ok"]
+
+
 def _is_panic(error: BaseException) -> bool:
     return type(error).__name__ == "PanicException"
 

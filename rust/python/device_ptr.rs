@@ -49,6 +49,11 @@ impl PyDevicePtr {
         PyDevicePtr { shared, address, size, stream, handle, freed, exports, held }
     }
 
+    /// Whether its pool is a parent's that this forked child cannot use (see `Shared`).
+    pub fn left_by_fork(&self, py: Python<'_>) -> bool {
+        self.shared.left_by_fork(py)
+    }
+
     pub fn belongs_to(&self, shared: &Arc<Shared>) -> bool {
         Arc::ptr_eq(&self.shared, shared)
     }
@@ -165,6 +170,9 @@ impl Drop for PyDevicePtr {
         }
         // Exports hold a reference to this pointer, so none is alive now: a plain free.
         Python::attach(|py| {
+            if self.shared.left_by_fork(py) {
+                return;
+            }
             if let Err(e) = self.release(py) {
                 // As CPython does for errors in `__del__`.
                 e.write_unraisable(py, None);

@@ -37,6 +37,15 @@ pub fn poisoned_pool(device: &str, why: &str) -> PyErr {
     ))
 }
 
+/// A pool of the parent's that a forked child cannot use, and why.
+pub fn left_by_fork(device: &str, cuda: bool) -> PyErr {
+    let why = match cuda {
+        true => "CUDA memory cannot be used in a forked child (start it with multiprocessing's 'spawn' method)",
+        false => "another thread was inside it then, so its state here is unknown",
+    };
+    PyRuntimeError::new_err(format!("the pool on '{device}' was made before this process forked: {why}"))
+}
+
 /// A non-negative integer size; floats and strings are a TypeError, negatives a ValueError.
 pub fn size_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if !value.is_instance_of::<pyo3::types::PyInt>() {

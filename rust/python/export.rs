@@ -24,7 +24,11 @@ impl PyExport {
 impl Drop for PyExport {
     fn drop(&mut self) {
         Python::attach(|py| {
-            if let Err(e) = self.ptr.get().unpin(py) {
+            let ptr = self.ptr.get();
+            if ptr.left_by_fork(py) {
+                return;
+            }
+            if let Err(e) = ptr.unpin(py) {
                 // As CPython does for errors in `__del__`.
                 e.write_unraisable(py, None);
             }

@@ -3,7 +3,7 @@
 use super::cuda::default_device;
 use super::device::{capacity_arg, open_device_mode};
 use super::device_ptr::PyDevicePtr;
-use super::error::{poisoned_pool, pool_error, size_arg, value_error};
+use super::error::{left_by_fork, poisoned_pool, pool_error, size_arg, value_error};
 use super::gil_lock::{GilGuard, GilLock};
 use super::stream::PyStream;
 use super::trace::device_trace;
@@ -15,6 +15,7 @@ use crate::trace::{csv, Trace};
 use pyo3::exceptions::{PyAssertionError, PyOSError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
+use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -22,7 +23,8 @@ pub type DevicePool = Pool<Box<dyn Device>>;
 
 /// What a Python pool and all of its pointers share, so memory outlives the `Pool` object.
 pub struct Shared {
-    pool: GilLock<DevicePool>,
+    /// Not dropped by a forked child that cannot use it (see [`Shared::adopt_after_fork`]).
+    pool: ManuallyDrop<GilLock<DevicePool>>,
     pub device: String,
     pub capacity: Option<u64>,
     pub host_accessible: bool,
@@ -34,7 +36,29 @@ impl Shared {
     /// [`GilGuard::detach`].
     #[inline]
     pub fn lock<'a, 'py>(&'a self, py: Python<'py>) -> PyResult<PoolGuard<'a, 'py>> {
+        if self.pool.forked(py) {
+            self.adopt_after_fork(py)?;
+        }
         self.pool.lock(py).or_else(|poisoned| self.recover(poisoned))
+    }
+
+    /// A pool made before this process forked works in the child, on the copy of its memory
+    /// that the fork made, unless that memory is CUDA's (a CUDA context does not survive a
+    /// fork) or another thread was inside the pool then (it left the pool midway). Those raise,
+    /// never hang on a lock whose holder is gone.
+    #[cold]
+    fn adopt_after_fork(&self, py: Python<'_>) -> PyResult<()> {
+        let cuda = self.device.starts_with("cuda");
+        if cuda || !self.pool.adopt_after_fork(py) {
+            return Err(left_by_fork(&self.device, cuda));
+        }
+        Ok(())
+    }
+
+    /// Whether this is a pool of the parent's that this forked child cannot use: destructors
+    /// leave its memory alone, as the parent's or unknown.
+    pub fn left_by_fork(&self, py: Python<'_>) -> bool {
+        self.pool.forked(py) && self.adopt_after_fork(py).is_err()
     }
 
     /// A panic inside the lock poisons it. If the pool's invariants still hold (the panic came
@@ -54,6 +78,15 @@ impl Shared {
     /// Whether addresses have bytes behind them that copies reach (`sim`'s have none).
     pub fn holds_bytes(&self) -> bool {
         self.host_accessible || self.device.starts_with("cuda:")
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if !Python::attach(|py| self.left_by_fork(py)) {
+            // SAFETY: dropped once, here, and never used again.
+            unsafe { ManuallyDrop::drop(&mut self.pool) };
+        }
     }
 }
 
@@ -173,7 +206,7 @@ impl PyPool {
             let host_accessible = backend.host_accessible();
             let device = backend.name().to_string();
             // Pre-allocation (`initial_pool_size_mb`) calls the device.
-            let pool = GilLock::new(Pool::new(backend, config));
+            let pool = ManuallyDrop::new(GilLock::new(Pool::new(backend, config)));
             PyResult::Ok(Shared { pool, device, capacity, host_accessible })
         })?;
         Ok(PyPool { shared: Arc::new(shared) })

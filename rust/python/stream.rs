@@ -40,6 +40,9 @@ impl Drop for PyStream {
         if self.id != DEFAULT_STREAM && !self.destroyed.swap(true, Ordering::AcqRel) {
             // Destroying synchronizes the stream: never with the interpreter attached.
             Python::attach(|py| {
+                if self.shared.left_by_fork(py) {
+                    return;
+                }
                 let destroyed = self
                     .shared
                     .lock(py)
