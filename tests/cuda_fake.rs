@@ -10,8 +10,9 @@
 //! here measures a GPU.
 #![cfg(feature = "cuda")]
 
+use gpupool::core::{Metric, StatType};
 use gpupool::device::{Cuda, CudaMode, Device, DeviceError, DEFAULT_STREAM};
-use gpupool::pool::{Config, Pool};
+use gpupool::pool::{Config, Pool, PoolError};
 use std::ffi::{c_char, CString};
 use std::path::PathBuf;
 use std::process::Command;
@@ -156,11 +157,17 @@ impl Fake {
     /// Starts (`true`) a relaxed-mode capture on a stream (other streams may still allocate
     /// from the driver), or ends one, saying whether the capture stayed valid.
     fn capture(&self, stream: u64, begin: bool) -> bool {
+        self.capture_in_mode(stream, begin, 2)
+    }
+
+    /// As [`Fake::capture`], in capture mode `mode` (0: global, where "potentially unsafe"
+    /// calls such as freeing memory, from any thread, invalidate the capture).
+    fn capture_in_mode(&self, stream: u64, begin: bool, mode: i32) -> bool {
         if begin {
-            // SAFETY: `cuStreamBeginCapture_v2` takes a stream and a mode (2: relaxed).
+            // SAFETY: `cuStreamBeginCapture_v2` takes a stream and a mode.
             let f: extern "C" fn(u64, i32) -> i32 =
                 unsafe { std::mem::transmute(self.symbol("cuStreamBeginCapture_v2")) };
-            assert_eq!(f(stream, 2), 0);
+            assert_eq!(f(stream, mode), 0);
             true
         } else {
             let mut graph = 0u64;
@@ -170,6 +177,10 @@ impl Fake {
             f(stream, &mut graph) == 0
         }
     }
+}
+
+fn reserved(pool: &Pool<Cuda>) -> u64 {
+    pool.stats().get(Metric::ReservedBytes, StatType::All).current
 }
 
 fn calls(name: &str) -> u64 {
@@ -521,4 +532,109 @@ fn graph_capture_is_refused_and_frees_wait_for_its_end() {
     assert_eq!(pool.held_for_capture(), 0, "the free completes once the capture ends");
     pool.alloc_on(MIB, side).unwrap();
     pool.check_invariants().unwrap();
+}
+
+/// Synchronizing a context while one of its streams captures is invalid in every capture mode,
+/// so while a stream captures, `synchronize`, `empty_cache` and the out-of-memory ladder wait
+/// for each other stream instead and give nothing back.
+#[test]
+fn a_capture_leaves_synchronize_and_empty_cache_to_the_other_streams() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch").unwrap());
+    let side = pool.create_stream().unwrap();
+    let handle = pool.device().stream_handle(side).unwrap();
+    let a = pool.alloc_on(4 * MIB, DEFAULT_STREAM).unwrap();
+    pool.free(a.handle).unwrap();
+    assert!(fake.capture(handle, true));
+    pool.synchronize().unwrap();
+    assert_eq!(pool.empty_cache().unwrap(), 0, "nothing goes back during a capture");
+    let big = pool.alloc_on(600 * MIB, DEFAULT_STREAM).unwrap();
+    let refused = pool.alloc_on(600 * MIB, DEFAULT_STREAM).unwrap_err();
+    assert!(matches!(refused, PoolError::OutOfMemory(_)), "{refused}");
+    assert!(fake.capture(handle, false), "gpupool invalidated the capture");
+    pool.free(big.handle).unwrap();
+    assert!(pool.empty_cache().unwrap() > 0, "after the capture the cache goes back");
+    pool.check_invariants().unwrap();
+}
+
+/// With `cross_stream_reuse:wait`, a block another stream freed is handed over after an event
+/// on that stream; waiting for an event recorded in a capture would pull the new stream into
+/// the capture, so a capturing owner's blocks are left alone.
+#[test]
+fn cross_stream_waits_leave_a_capturing_streams_blocks_alone() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch,cross_stream_reuse:wait").unwrap());
+    let (a, b) = (pool.create_stream().unwrap(), pool.create_stream().unwrap());
+    let handle = pool.device().stream_handle(a).unwrap();
+    let first = pool.alloc_on(MIB, a).unwrap();
+    pool.free(first.handle).unwrap();
+    assert!(fake.capture(handle, true));
+    let other = pool.alloc_on(MIB, b).unwrap();
+    assert_ne!(other.address, first.address, "the capturing stream's block was handed over");
+    assert!(fake.capture(handle, false), "stream b joined the capture and never left it");
+    pool.check_invariants().unwrap();
+}
+
+/// A copy waits for its allocation's stream, which a capture forbids: refused with the pool's
+/// capture error, and the capture stays valid.
+#[test]
+fn copies_of_a_capturing_streams_allocation_are_refused() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch").unwrap());
+    let side = pool.create_stream().unwrap();
+    let handle = pool.device().stream_handle(side).unwrap();
+    let a = pool.alloc_on(4096, side).unwrap();
+    assert!(fake.capture(handle, true));
+    let refused = pool.write(a.handle, 0, b"bytes").unwrap_err();
+    assert!(refused.to_string().contains("captured into a CUDA graph"), "{refused}");
+    let mut out = [0u8; 5];
+    assert!(pool.read(a.handle, 0, &mut out).is_err());
+    assert!(fake.capture(handle, false), "gpupool invalidated the capture");
+    pool.write(a.handle, 0, b"bytes").unwrap();
+}
+
+/// During a global-mode capture on one stream, freeing memory from another is one of the
+/// "potentially unsafe" calls that invalidate it: frees keep their memory cached until the
+/// capture ends, for plain segments and for pages alike.
+#[test]
+fn frees_during_a_global_capture_keep_their_memory() {
+    for config in ["strategy:pytorch,release_threshold:0", "strategy:expandable,release_threshold:0"] {
+        let (cuda, _turn) = open();
+        let fake = fake();
+        let mut pool = Pool::new(cuda, Config::parse(config).unwrap());
+        let side = pool.create_stream().unwrap();
+        let handle = pool.device().stream_handle(side).unwrap();
+        let a = pool.alloc_on(4 * MIB, DEFAULT_STREAM).unwrap();
+        let before = reserved(&pool);
+        assert!(fake.capture_in_mode(handle, true, 0));
+        pool.free(a.handle).unwrap();
+        assert_eq!(reserved(&pool), before, "{config}: memory went back during the capture");
+        assert!(fake.capture_in_mode(handle, false, 0), "{config}: gpupool invalidated the capture");
+        pool.empty_cache().unwrap();
+        assert_eq!(reserved(&pool), 0, "{config}");
+    }
+}
+
+/// `cuMemFree` is documented only as possibly synchronizing: a segment whose free block's stream
+/// still has work queued stays cached until that work is done.
+#[test]
+fn segments_go_back_only_once_their_stream_is_done() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch,release_threshold:0").unwrap());
+    let side = pool.create_stream().unwrap();
+    let handle = pool.device().stream_handle(side).unwrap();
+    let a = pool.alloc_on(4 * MIB, side).unwrap();
+    fake.launch(handle, a.address, 4 * MIB, 0x44);
+    let before = fake.violations();
+    pool.free(a.handle).unwrap();
+    assert!(reserved(&pool) > 0, "the segment went back under the kernel");
+    fake.complete(handle);
+    let b = pool.alloc_on(MIB, DEFAULT_STREAM).unwrap();
+    pool.free(b.handle).unwrap();
+    assert_eq!(reserved(&pool), 0, "once the stream is done, the watermark gives everything back");
+    assert_eq!(fake.violations(), before);
 }

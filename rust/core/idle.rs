@@ -1,6 +1,7 @@
 //! Idle segments: cached segments that are one free block, the memory a pool can give back
 //! without moving anything, with their ages for garbage collection and the release watermark.
 
+use super::block::SHARED;
 use super::heap::{Heap, SegmentId};
 use super::rules::PoolKind;
 use super::stats::{Metric, StatType};
@@ -33,6 +34,15 @@ impl Heap {
         current(Metric::ReservedBytes)
             .saturating_sub(current(Metric::ActiveBytes))
             .saturating_sub(current(Metric::InactiveSplitBytes))
+    }
+
+    /// The streams that own free blocks of segment `sid` (none when all are shared): their
+    /// queued work may still use those blocks.
+    pub fn owners(&self, sid: SegmentId) -> Vec<u32> {
+        let mut owners: Vec<u32> =
+            self.blocks_of(self.segment(sid)).map(|(_, b)| b.stream).filter(|&s| s != SHARED).collect();
+        owners.dedup();
+        owners
     }
 
     /// Idle segment `sid` with its age; it must be idle.

@@ -366,8 +366,20 @@ impl Device for Cuda {
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw) })
     }
 
+    /// The whole context, unless a stream of ours captures: synchronizing a context with a
+    /// capture under way is invalid in every capture mode, so then each other stream we know is
+    /// waited for instead.
     fn synchronize_device(&mut self) -> Result<(), DeviceError> {
-        self.synchronize_context()
+        if !self.capture_underway() {
+            return self.synchronize_context();
+        }
+        let ids: Vec<StreamId> = self.streams.keys().copied().collect();
+        for stream in ids {
+            if !self.is_capturing(stream)? {
+                self.synchronize_stream(stream)?;
+            }
+        }
+        Ok(())
     }
 
     /// The event is made in the stream's context: the driver records only an event and a stream
@@ -468,6 +480,12 @@ impl Device for Cuda {
         }
         check("cuStreamIsCapturing", code)?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// A stream the driver refuses to answer for counts as not capturing.
+    fn capture_underway(&mut self) -> bool {
+        let ids: Vec<StreamId> = self.streams.keys().copied().collect();
+        ids.into_iter().any(|stream| self.is_capturing(stream).unwrap_or(false))
     }
 
     fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {

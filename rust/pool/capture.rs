@@ -4,7 +4,9 @@
 //! the pool saw them freed. So the pool refuses to allocate on a capturing stream (with a clear
 //! error, [`PoolError::Capturing`]), never records fences on one, and holds a block freed while
 //! one of its streams captures (neither reused nor returned to the device) until that capture
-//! ends, as PyTorch does with frees during capture.
+//! ends, as PyTorch does with frees during capture. While any stream captures, no memory goes
+//! back to the device either (a release may synchronize, which a capture forbids), and copies
+//! to or from an allocation whose stream captures are refused.
 
 use super::{Pool, PoolError};
 use crate::core::{Handle, USE_OVERFLOW_BIT};
@@ -17,6 +19,11 @@ impl<D: Device> Pool<D> {
             return Err(PoolError::Capturing(stream));
         }
         Ok(())
+    }
+
+    /// Whether some stream of the device is being captured: then nothing is given back.
+    pub(super) fn capture_underway(&mut self) -> bool {
+        self.captures_graphs && self.device.capture_underway()
     }
 
     /// Whether the allocation's stream, or a stream recorded as using it, is capturing.

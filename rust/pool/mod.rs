@@ -185,7 +185,12 @@ impl<D: Device> Pool<D> {
             return Ok(Some(a));
         }
         if self.config.cross_stream_reuse == CrossStreamReuse::Wait {
-            if let Some((id, owner)) = self.heap.find_foreign(rounded, stream) {
+            // An event recorded on a capturing stream would pull `stream` into the capture.
+            if let Some((id, owner)) = self
+                .heap
+                .find_foreign(rounded, stream)
+                .filter(|&(_, owner)| !self.captures_graphs || !self.device.is_capturing(owner).unwrap_or(true))
+            {
                 self.make_wait_for(stream, owner)?;
                 return self.take_found(id, size, rounded, stream).map(Some);
             }
@@ -458,18 +463,24 @@ impl<D: Device> Pool<D> {
     }
 
     /// Copies from a live allocation at `offset` into `out`, ordered as [`Pool::write`].
-    pub fn read(&self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), PoolError> {
+    pub fn read(&mut self, handle: Handle, offset: u64, out: &mut [u8]) -> Result<(), PoolError> {
         let (address, stream) = self.copy_target(handle, offset, out.len())?;
         Ok(self.device.read(stream, address, out)?)
     }
 
     /// Where a copy of `len` bytes at `offset` into an allocation goes, and on which stream.
-    fn copy_target(&self, handle: Handle, offset: u64, len: usize) -> Result<(u64, StreamId), PoolError> {
+    /// A copy waits for its stream, which a capture forbids (and the captured copy would read
+    /// or write a host buffer long gone), so a capturing stream's allocations are refused.
+    fn copy_target(&mut self, handle: Handle, offset: u64, len: usize) -> Result<(u64, StreamId), PoolError> {
         let b = self.heap.block(handle)?;
-        match offset.checked_add(len as u64) {
-            Some(end) if end <= b.size => Ok((b.address + offset, b.stream)),
-            _ => Err(PoolError::Device(DeviceError::InvalidAddress(b.address.saturating_add(offset)))),
+        let (address, size, stream) = (b.address, b.size, b.stream);
+        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
+            return Err(PoolError::Device(DeviceError::InvalidAddress(address.saturating_add(offset))));
         }
+        if self.captures_graphs {
+            self.refuse_capture(stream)?;
+        }
+        Ok((address + offset, stream))
     }
 
     /// The stream a live allocation was made for.
@@ -487,6 +498,9 @@ impl<D: Device> Pool<D> {
     /// Returns cached memory to the device: free pages of expandable ranges, then every fully
     /// free segment (or range). Returns the bytes that stop being reserved.
     fn release_cached(&mut self) -> Result<u64, PoolError> {
+        if self.capture_underway() {
+            return Ok(0);
+        }
         let mut bytes = match self.expandable.as_mut() {
             Some(pages) => pages.unmap_free_pages(&mut self.device, &mut self.heap, true)?,
             None => 0,

@@ -1,8 +1,10 @@
 //! Giving memory back between `empty_cache` calls: the release watermark after frees, PyTorch's
 //! garbage collection before growing, and the out-of-memory ladder's release of oversize
-//! cached blocks. Only idle segments (one free block) go back; nothing is synchronized: a free
-//! block has no pending work (pending frees are not free yet), and a device's release orders
-//! itself after queued work where that matters (`cuMemFree` synchronizes).
+//! cached blocks. Only idle segments (one free block) go back, and only once the stream that
+//! owns that block has finished its queued work: a free block has no pending work of other
+//! streams (pending frees are not free yet), but its owner may still be using it, and the
+//! driver's `cuMemFree` is documented only as *possibly* synchronizing. Nothing goes back while
+//! a stream captures.
 
 use super::{HistoryAction, Pool, PoolError, DEFAULT_STREAM};
 use crate::core::{IdleSegment, Metric, PoolKind, SegmentId, StatType};
@@ -25,7 +27,7 @@ impl<D: Device> Pool<D> {
         let Some(threshold) = self.config.release_threshold else { return Ok(()) };
         if self.expandable.is_some() {
             // Expandable ranges give back pages, not segments.
-            let over = self.over_watermark(threshold);
+            let over = self.over_watermark(threshold) && !self.capture_underway();
             if let Some(pages) = self.expandable.as_mut().filter(|_| over) {
                 pages.unmap_free_pages(&mut self.device, &mut self.heap, false)?;
             }
@@ -33,7 +35,7 @@ impl<D: Device> Pool<D> {
             return Ok(());
         }
         let idle = self.heap.idle_bytes();
-        if idle == 0 || !self.over_watermark(threshold) {
+        if idle == 0 || !self.over_watermark(threshold) || self.capture_underway() {
             return Ok(());
         }
         // Usually the segment just freed is the only idle one: no need to look for the oldest.
@@ -65,7 +67,7 @@ impl<D: Device> Pool<D> {
         };
         let allowed = (threshold * limit as f64) as u64;
         let reserved = self.reserved();
-        if reserved <= allowed {
+        if reserved <= allowed || self.capture_underway() {
             return Ok(());
         }
         let target = reserved - allowed;
@@ -90,18 +92,16 @@ impl<D: Device> Pool<D> {
     /// idle oversize segment that holds the request, else oversize ones from the largest down
     /// until as many bytes as the request are freed. Returns whether that much was freed.
     pub(super) fn release_oversize(&mut self, size: u64) -> Result<bool, PoolError> {
-        let rules = self.heap.rules();
-        let max_split = rules.max_split_size;
-        if max_split == u64::MAX {
+        let max_split = self.heap.rules().max_split_size;
+        if max_split == u64::MAX || self.capture_underway() {
             return Ok(false);
         }
-        let wanted = rules.round(size).max(max_split);
+        let wanted = self.heap.rules().round(size).max(max_split);
         let mut oversize: Vec<IdleSegment> =
             self.heap.idle_segments().into_iter().filter(|s| s.size >= max_split).collect();
         oversize.sort_by_key(|s| s.size);
         if let Some(fit) = oversize.iter().find(|s| s.size >= wanted) {
-            self.give_back(fit.id)?;
-            return Ok(true);
+            return Ok(self.give_back(fit.id)? > 0);
         }
         let mut released = 0;
         for s in oversize.iter().rev() {
@@ -113,10 +113,15 @@ impl<D: Device> Pool<D> {
         Ok(released >= wanted)
     }
 
-    /// Returns idle segment `sid` to the device; returns its size. The device goes first: if it
-    /// refuses, the segment stays cached and the heap still agrees with it.
+    /// Returns idle segment `sid` to the device; returns its size, or 0 while the stream that
+    /// owns its free block still has work queued (the segment then stays cached). The device
+    /// goes first: if it refuses, the segment stays cached and the heap still agrees with it.
     fn give_back(&mut self, sid: SegmentId) -> Result<u64, PoolError> {
         debug_assert!(self.heap.is_idle(sid), "segment {sid} is not idle");
+        // A stream destroyed since was waited for first.
+        if self.heap.owners(sid).into_iter().any(|owner| !self.device.query_stream(owner).unwrap_or(true)) {
+            return Ok(0);
+        }
         let (address, size) = self.heap.segment_extent(sid);
         self.device.release(address)?;
         self.heap.remove_segment(sid);

@@ -11,10 +11,14 @@
  *     stream may still be pending on the same bytes, and memory may not be freed or unmapped under
  *     a pending kernel; a kernel, when it runs, checks that its range is still backed by the
  *     allocations it was given. Each breach is a violation (fake_cuda_violations);
- *   - stream capture: queries and synchronization of a capturing stream, and unsafe calls
- *     (synchronous allocation, copies, frees, mapping) during a global-mode capture, fail with
- *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture; while a blocking stream
- *     captures, the legacy stream is unusable (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+ *   - stream capture: queries and synchronization of a capturing stream (or of its context, in
+ *     any mode), and unsafe calls (synchronous allocation, copies, frees, mapping) during a
+ *     global-mode capture, fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the
+ *     capture; while a blocking stream captures, the legacy stream is unusable
+ *     (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT); a stream that waits for an event recorded in a
+ *     capture joins it, and a capture that ends before its joined streams is invalid;
+ *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
+ *     memory a pending kernel uses is a violation;
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
  *     ordinals;
  *   - contexts: streams and events belong to the context current when they were made (the
@@ -117,6 +121,7 @@ struct stream {
     unsigned long long enqueued, completed;
     struct op *head, *tail;
     int capturing, capture_global, capture_invalid;
+    struct stream *joined; /* the capture this stream joined by waiting for one of its events */
 };
 
 struct event { int live; struct context *context; struct stream *stream; unsigned long long seq; int captured; };
@@ -593,6 +598,14 @@ static void synchronize_all(void) {
 CUresult cuCtxSynchronize(void) {
     ENTER(1);
     if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    /* Synchronizing a context while any of its streams captures is invalid in every mode. */
+    int capturing = 0;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i] && streams[i]->capturing && streams[i]->context == current) {
+            invalidate_capture(streams[i]);
+            capturing = 1;
+        }
+    if (capturing) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     synchronize_all();
     LEAVE;
 }
@@ -633,8 +646,11 @@ CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t size) {
 CUresult cuMemFree_v2(CUdeviceptr address) {
     ENTER(1);
     if (capture_forbids_unsafe_calls()) FAIL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-    /* The driver waits for queued work before freeing (cudaFree synchronizes); so does the fake. */
-    synchronize_all();
+    /* Documented only as "may perform implicit synchronization": the fake does not wait, and
+     * freeing memory that queued work still uses is a violation. */
+    struct allocation *a = allocation_holding(address);
+    if (a && kernel_pending_on(a->address, a->size, next_order, NULL))
+        violation("cuMemFree of memory a pending kernel uses", a->address, a->size);
     status = release_range(address);
     LEAVE;
 }
@@ -825,6 +841,13 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
     if (!s || find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (flags != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
     if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    /* Waiting for an event recorded in a capture joins that capture: the stream's later work
+     * goes into the graph, and the capture cannot end until the stream joins back. */
+    if (e->captured && e->stream && !s->capturing) {
+        s->capturing = 1;
+        s->joined = e->stream->joined ? e->stream->joined : e->stream;
+        FAIL(CUDA_SUCCESS);
+    }
     struct op *op = new_op(OP_MARK, 0, 0);
     if (e->stream) add_dependency(op, e->stream, e->seq);
     enqueue(s, op);
@@ -853,12 +876,17 @@ CUresult cuStreamEndCapture(void *handle, void **graph) {
     if (!s->capturing) FAIL(CUDA_ERROR_INVALID_VALUE);
     global_captures -= s->capture_global;
     s->capturing = s->capture_global = 0;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i] && streams[i]->joined == s) { /* never joined back: an invalid graph */
+            streams[i]->capturing = 0;
+            streams[i]->joined = NULL;
+            s->capture_invalid = 1;
+        }
     *graph = s->capture_invalid ? NULL : handle;
     if (s->capture_invalid) FAIL(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     LEAVE;
 }
 
-/* Status: 0 none, 1 active, 2 invalidated. */
 /* The context a stream belongs to; the legacy handles name the current context's. */
 CUresult cuStreamGetCtx(void *handle, void **ctx) {
     ENTER(0);
@@ -870,6 +898,7 @@ CUresult cuStreamGetCtx(void *handle, void **ctx) {
     LEAVE;
 }
 
+/* Status: 0 none, 1 active, 2 invalidated. */
 CUresult cuStreamIsCapturing(void *handle, int *capture_status) {
     ENTER(1);
     struct stream *s = stream_of(handle);
