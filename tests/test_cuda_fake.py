@@ -349,24 +349,122 @@ def test_another_devices_stream_is_fenced_from_its_own_context(fake):
 
 
 def test_allocations_outlive_the_stream_they_were_made_on(fake):
-    # The Stream below dies at once; its allocation passes to the default stream and stays
-    # usable. It used to fail every free and copy ("stream 1 does not exist") and leak.
+    # A pointer keeps its Stream alive, so a temporary one is not forgotten under it; a stream
+    # destroyed on purpose hands its allocations, held ones included, to the default stream.
+    # Each used to fail every free and copy ("stream 1 does not exist") and leak.
     result = fake_driver.run(
         """
         pool = gpupool.Pool("cuda:0")
         ptr = pool.alloc(1 << 20, stream=pool.stream())
         ptr.copy_from_host(b"kept")
         data = ptr.copy_to_host(size=4).decode()
-        stream = ptr.__cuda_array_interface__["stream"]
+        own = ptr.__cuda_array_interface__["stream"] not in (None, 1)
         ptr.free()
+        side = pool.stream()
+        other, held = pool.alloc(1 << 20, stream=side), pool.alloc(1 << 20, stream=side)
+        view = held.view("u1")
+        held.free()
+        side.destroy()
+        other.copy_from_host(b"moved")
+        streams = [other.__cuda_array_interface__["stream"], view.__cuda_array_interface__["stream"]]
+        view.__dlpack__(stream=1)
+        other.free()
+        del ptr, other, held, view
         pool.empty_cache()
-        report(data=data, stream=stream, allocated=pool.memory_allocated(), held=pool.device_memory_held())
+        report(data=data, own=own, streams=streams, allocated=pool.memory_allocated(),
+               held=pool.device_memory_held())
         """,
         fake,
     )
-    assert result["data"] == "kept"
-    assert result["stream"] == 1, "ordered on the legacy default stream, as the protocol spells it"
+    assert result["data"] == "kept" and result["own"], "ordered on its own stream while that lives"
+    assert result["streams"] == [1, 1], "then on the legacy default stream, as the protocol spells it"
     assert (result["allocated"], result["held"]) == (0, 0)
+
+
+def test_an_external_stream_is_not_forgotten_under_its_allocations(fake):
+    # gpupool never destroys an external stream: its owner may go on using it. A temporary
+    # wrapper lives as long as the pointer, and destroying one that still has allocations is
+    # refused, so the block never passes to a stream that does not see the owner's work.
+    result = fake_driver.run(
+        """
+        use_context(0)
+        raw = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+        pool = gpupool.Pool("cuda:0")
+        ptr = pool.alloc(1 << 20, stream=pool.external_stream(raw.value))
+        launch(raw.value, ptr.ptr, 1 << 20, 0x11)
+        ptr.free()
+        again = pool.alloc(1 << 20)
+        reused = again.ptr == ptr.ptr
+        launch(0, again.ptr, 1 << 20, 0x22)
+        complete(0)
+        wrapper = pool.external_stream(raw.value)
+        live = pool.alloc(1 << 20, stream=wrapper)
+        try:
+            wrapper.destroy()
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        live.free()
+        wrapper.destroy()
+        report(reused=reused, violations=violations(), refused=refused)
+        """,
+        fake,
+    )
+    assert not result["reused"] and result["violations"] == 0
+    assert "still has allocations" in result["refused"]
+
+
+def test_a_held_block_released_during_a_capture_waits_for_its_end(fake):
+    # The last export of a freed pointer goes while a stream that used it captures: recording
+    # its event there would invalidate the capture, so the block waits for a synchronize after it.
+    result = fake_driver.run(
+        """
+        use_context(0)
+        pool = gpupool.Pool("cuda:0")
+        side = pool.stream()
+        ptr = pool.alloc(1 << 20)
+        pool.record_stream(ptr, side)
+        capsule = ptr.__dlpack__(stream=None)
+        ptr.free()
+        assert driver().cuStreamBeginCapture_v2(side.handle, 0) == 0   # global mode
+        del capsule
+        held = pool.memory_stats()["active_bytes.all.current"]
+        graph = ctypes.c_void_p()
+        end = driver().cuStreamEndCapture(side.handle, ctypes.byref(graph))
+        pool.synchronize()
+        report(end=end, held=held, active=pool.memory_stats()["active_bytes.all.current"])
+        """,
+        fake,
+    )
+    assert result["end"] == 0, "the capture was invalidated"
+    assert result["held"] == 1 << 20 and result["active"] == 0
+
+
+def test_events_on_another_devices_streams_are_all_destroyed(fake):
+    result = fake_driver.run(
+        """
+        use_context(1)
+        raw = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+        use_context(0)
+        pool = gpupool.Pool("cuda:0")
+        own, foreign = pool.stream(), pool.external_stream(raw.value)
+        for _ in range(5):
+            for stream, handle in ((own, own.handle), (foreign, raw.value)):
+                p = pool.alloc(1 << 20)
+                pool.record_stream(p, stream)
+                launch(handle, p.ptr, 1 << 20)
+                p.free()
+                pool.synchronize()
+        del p, own, foreign, stream, pool
+        report(created=calls("cuEventCreate"), destroyed=calls("cuEventDestroy_v2"), violations=violations())
+        """,
+        fake,
+        device_count=2,
+    )
+    assert result["created"] > 5 and result["destroyed"] == result["created"]
+    assert result["violations"] == 0
 
 
 def test_every_thread_gets_the_context(fake):

@@ -170,7 +170,8 @@ class Stream:
     def synchronize(self) -> None: ...
     def destroy(self) -> None:
         """Waits for the stream and destroys it (as dropping the last reference does); its live
-        allocations pass to the pool's default stream, which orders their copies and frees."""
+        allocations pass to the pool's default stream, which orders their copies and frees. An
+        external stream is only forgotten, and refused while allocations are made or used on it."""
 
 class Device:
     """Direct backend access without pooling."""

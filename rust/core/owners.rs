@@ -70,6 +70,34 @@ impl Heap {
         }
     }
 
+    /// Every stream the heap holds something for: owners of blocks (allocated, pending, or free
+    /// and not yet shared) and streams recorded as using them (the first 31; the pool lists the
+    /// rest). O(blocks).
+    pub fn streams_in_use(&self) -> Vec<u32> {
+        let mut streams = Vec::new();
+        for b in self.blocks.iter().filter(|b| b.segment != NIL) {
+            if b.stream != SHARED {
+                streams.push(b.stream);
+            }
+            let mut uses = b.uses & !(1 << super::USE_OVERFLOW_BIT);
+            while uses != 0 {
+                streams.push(uses.trailing_zeros());
+                uses &= uses - 1;
+            }
+        }
+        streams.sort_unstable();
+        streams.dedup();
+        streams
+    }
+
+    /// Whether an allocated or pending block belongs to `stream` or was used on it.
+    pub fn holds_for(&self, stream: u32) -> bool {
+        let bit = if stream < super::USE_OVERFLOW_BIT { 1 << stream } else { 0 };
+        self.blocks
+            .iter()
+            .any(|b| b.segment != NIL && b.state != BlockState::Free && (b.stream == stream || b.uses & bit != 0))
+    }
+
     /// A destroyed stream's allocated and pending blocks pass to `heir`: they stay usable
     /// (freed, copied, exported) in `heir`'s order, since nothing of the old stream can still run.
     pub fn hand_over(&mut self, stream: u32, heir: u32) {

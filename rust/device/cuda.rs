@@ -366,20 +366,8 @@ impl Device for Cuda {
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(raw) })
     }
 
-    /// The whole context, unless a stream of ours captures: synchronizing a context with a
-    /// capture under way is invalid in every capture mode, so then each other stream we know is
-    /// waited for instead.
     fn synchronize_device(&mut self) -> Result<(), DeviceError> {
-        if !self.capture_underway() {
-            return self.synchronize_context();
-        }
-        let ids: Vec<StreamId> = self.streams.keys().copied().collect();
-        for stream in ids {
-            if !self.is_capturing(stream)? {
-                self.synchronize_stream(stream)?;
-            }
-        }
-        Ok(())
+        self.synchronize_context()
     }
 
     /// The event is made in the stream's context: the driver records only an event and a stream
@@ -388,7 +376,8 @@ impl Device for Cuda {
         let stream = self.raw_stream(stream)?;
         let _current = driver::enter(stream.context)?;
         let ours = stream.context == self.context.raw();
-        let raw = match self.spare_events.pop().filter(|_| ours) {
+        let spare = if ours { self.spare_events.pop() } else { None };
+        let raw = match spare {
             Some(raw) => raw as sys::CUevent,
             None => {
                 let mut raw = std::ptr::null_mut();
@@ -482,10 +471,8 @@ impl Device for Cuda {
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    /// A stream the driver refuses to answer for counts as not capturing.
-    fn capture_underway(&mut self) -> bool {
-        let ids: Vec<StreamId> = self.streams.keys().copied().collect();
-        ids.into_iter().any(|stream| self.is_capturing(stream).unwrap_or(false))
+    fn created_streams(&self) -> Vec<StreamId> {
+        self.streams.iter().filter(|(_, raw)| raw.owned).map(|(&id, _)| id).collect()
     }
 
     fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {

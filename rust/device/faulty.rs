@@ -269,8 +269,8 @@ impl<D: Device> Device for Faulty<D> {
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
         self.inner.is_capturing(stream)
     }
-    fn capture_underway(&mut self) -> bool {
-        self.inner.capture_underway()
+    fn created_streams(&self) -> Vec<StreamId> {
+        self.inner.created_streams()
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
         self.inner.create_stream()

@@ -137,10 +137,9 @@ pub trait Device: Send {
     fn is_capturing(&mut self, _stream: StreamId) -> Result<bool, DeviceError> {
         Ok(false)
     }
-    /// Whether any stream this device knows is being captured: memory must not go back to the
-    /// driver then (a release may synchronize, which a capture forbids).
-    fn capture_underway(&mut self) -> bool {
-        false
+    /// The streams this device made and has not destroyed (not the imported ones).
+    fn created_streams(&self) -> Vec<StreamId> {
+        Vec::new()
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError>;
     fn destroy_stream(&mut self, stream: StreamId) -> Result<(), DeviceError>;
@@ -292,8 +291,8 @@ impl<D: Device + ?Sized> Device for Box<D> {
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
         (**self).is_capturing(stream)
     }
-    fn capture_underway(&mut self) -> bool {
-        (**self).capture_underway()
+    fn created_streams(&self) -> Vec<StreamId> {
+        (**self).created_streams()
     }
     fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
         (**self).create_stream()

@@ -4,13 +4,29 @@
 //! the pool saw them freed. So the pool refuses to allocate on a capturing stream (with a clear
 //! error, [`PoolError::Capturing`]), never records fences on one, and holds a block freed while
 //! one of its streams captures (neither reused nor returned to the device) until that capture
-//! ends, as PyTorch does with frees during capture. While any stream captures, no memory goes
+//! ends, as PyTorch does with frees during capture. While a stream captures, no memory goes
+//! back to the device either (a release may synchronize, which a capture forbids), the device
+//! is waited for stream by stream, and copies to or from an allocation whose stream captures
+//! are refused. While any stream captures, no memory goes
 //! back to the device either (a release may synchronize, which a capture forbids), and copies
 //! to or from an allocation whose stream captures are refused.
 
 use super::{Pool, PoolError};
-use crate::core::{Handle, USE_OVERFLOW_BIT};
-use crate::device::{Device, StreamId};
+use crate::core::{Handle, Heap, USE_OVERFLOW_BIT};
+use crate::device::{Device, DeviceError, StreamId, DEFAULT_STREAM};
+
+/// The streams [`Pool::capture_underway`] asks about, without the overflowed uses.
+fn watched<D: Device>(device: &D, heap: &Heap) -> Vec<StreamId> {
+    let mut streams = heap.streams_in_use();
+    streams.extend(device.created_streams());
+    streams.push(DEFAULT_STREAM);
+    streams
+}
+
+/// Whether one of those is being captured, on a device that captures at all.
+pub(super) fn any_capturing<D: Device>(device: &mut D, heap: &Heap) -> bool {
+    device.captures_graphs() && watched(device, heap).into_iter().any(|s| device.is_capturing(s).unwrap_or(false))
+}
 
 impl<D: Device> Pool<D> {
     /// Refuses work for `stream` while it is being captured.
@@ -21,9 +37,57 @@ impl<D: Device> Pool<D> {
         Ok(())
     }
 
-    /// Whether some stream of the device is being captured: then nothing is given back.
+    /// Whether a stream whose work can touch the pool's memory is being captured: then nothing
+    /// is given back. O(blocks), so only where memory would go back or the device be waited for.
     pub(super) fn capture_underway(&mut self) -> bool {
-        self.captures_graphs && self.device.capture_underway()
+        self.captures_graphs && self.watched_streams().into_iter().any(|s| self.device.is_capturing(s).unwrap_or(false))
+    }
+
+    /// The default stream, the streams the device made, and every stream the pool holds
+    /// blocks, uses or fences for. Other imported streams are left alone: their owner may have
+    /// destroyed them.
+    fn watched_streams(&self) -> Vec<StreamId> {
+        let mut streams = watched(&self.device, &self.heap);
+        streams.extend(self.deferred.overflow_streams());
+        streams.sort_unstable();
+        streams.dedup();
+        streams
+    }
+
+    /// Waits for the device's work, as `Device::synchronize_device` does, unless a stream
+    /// captures: synchronizing the context then is invalid in every capture mode, so each other
+    /// watched stream is waited for instead.
+    pub(super) fn synchronize_device(&mut self) -> Result<(), PoolError> {
+        if !self.capture_underway() {
+            return Ok(self.device.synchronize_device()?);
+        }
+        for stream in self.watched_streams() {
+            match self.device.is_capturing(stream) {
+                Ok(false) => match self.device.synchronize_stream(stream) {
+                    // Destroyed since: it was waited for then.
+                    Err(DeviceError::InvalidStream(_)) => {}
+                    other => other?,
+                },
+                Ok(true) | Err(DeviceError::InvalidStream(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether block `id` (allocated, pending or held) is used by a capturing stream.
+    pub(super) fn block_used_by_capture(&mut self, id: u32) -> bool {
+        if !self.captures_graphs {
+            return false;
+        }
+        let b = self.heap.block_at(id);
+        let (owner, mut uses) = (b.stream, b.uses & !(1 << USE_OVERFLOW_BIT));
+        let mut streams = vec![owner];
+        while uses != 0 {
+            streams.push(uses.trailing_zeros());
+            uses &= uses - 1;
+        }
+        streams.into_iter().any(|s| self.device.is_capturing(s).unwrap_or(false))
     }
 
     /// Whether the allocation's stream, or a stream recorded as using it, is capturing.

@@ -45,6 +45,16 @@ impl Deferred {
     /// records an event on each of them and returns the ones still pending, for
     /// [`Deferred::attach`]. Nothing changes if the device refuses an event, so the free can be
     /// retried.
+    /// Whether a block's overflowed use list names `stream`.
+    pub fn lists_use_on(&self, stream: StreamId) -> bool {
+        self.overflow_uses.values().any(|streams| streams.contains(&stream))
+    }
+
+    /// The streams listed for blocks whose use masks overflowed.
+    pub fn overflow_streams(&self) -> impl Iterator<Item = StreamId> + '_ {
+        self.overflow_uses.values().flatten().copied()
+    }
+
     pub fn record_waits<D: Device>(
         &mut self,
         device: &mut D,

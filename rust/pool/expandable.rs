@@ -249,7 +249,9 @@ impl Expandable {
         let want = new_pages * range.page_size + range.map_ahead;
         let keep = (index, pages.start..((free_end - range.base) / range.page_size).max(pages.end));
         // Nothing goes back while a stream captures (see capture.rs).
-        if device.capture_underway() || self.unmap_handles(device, heap, false, want, Some(keep))? == 0 {
+        if super::capture::any_capturing(device, heap)
+            || self.unmap_handles(device, heap, false, want, Some(keep))? == 0
+        {
             return Err(DeviceError::OutOfMemory { requested: refused });
         }
         self.map_pages(device, heap, index, pages, free_end, limit)?;

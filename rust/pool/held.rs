@@ -10,7 +10,7 @@
 
 use super::{Pool, PoolError};
 use crate::core::Handle;
-use crate::device::Device;
+use crate::device::{Device, StreamId};
 
 /// A freed block whose bytes are still referenced. Not `Clone`: it is released exactly once.
 #[derive(Debug, PartialEq, Eq)]
@@ -39,6 +39,11 @@ impl<D: Device> Pool<D> {
         let id = block.id;
         // Queued first, so that neither a refusal nor a panic below loses the block.
         self.unreleased.push(block);
+        // A capture must not be queried or waited for: the block waits for a synchronize after
+        // the capture ends, like the frees held for a capture.
+        if self.block_used_by_capture(id) {
+            return Ok(());
+        }
         let (uses, segment) = {
             let b = self.heap.block_at(id);
             (b.uses, b.segment)
@@ -46,7 +51,7 @@ impl<D: Device> Pool<D> {
         let waits = match self.deferred.record_waits(&mut self.device, id, uses) {
             Ok(waits) => waits,
             Err(_) => {
-                self.device.synchronize_device()?;
+                self.synchronize_device()?;
                 Vec::new()
             }
         };
@@ -56,14 +61,27 @@ impl<D: Device> Pool<D> {
         Ok(())
     }
 
-    /// Releases the held blocks whose release failed; the device has just synchronized, so
-    /// nothing uses them. One at a time: a panic in one's release leaves the rest queued.
+    /// Releases the held blocks whose release failed or waited for a capture; the device has
+    /// just synchronized every stream but capturing ones, so nothing else uses them. One at a
+    /// time: a panic in one's release leaves the rest queued.
     pub(super) fn settle_unreleased(&mut self) {
+        let mut captured = Vec::new();
         while let Some(block) = self.unreleased.pop() {
+            if self.block_used_by_capture(block.id) {
+                captured.push(block);
+                continue;
+            }
             let segment = self.heap.block_at(block.id).segment;
             self.held -= 1;
             self.wait_or_cache(block.id, segment, Vec::new());
         }
+        self.unreleased = captured;
+    }
+
+    /// The stream a held block's bytes are ordered on (its allocation's, or the default stream
+    /// once that one was destroyed).
+    pub fn held_stream(&self, block: &HeldBlock) -> StreamId {
+        self.heap.block_at(block.id).stream
     }
 
     /// How many freed blocks are held for their exports, or until the next synchronize.

@@ -21,6 +21,12 @@ impl<D: Device> Pool<D> {
         Ok(())
     }
 
+    /// Whether an allocation, or a free still waiting for work, belongs to `stream` or was used
+    /// on it. O(blocks).
+    pub fn holds_memory_for(&self, stream: StreamId) -> bool {
+        self.heap.holds_for(stream) || self.deferred.lists_use_on(stream)
+    }
+
     /// Simulated devices: marks `stream` busy until synchronized.
     pub fn hold_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
         Ok(self.device.hold_stream(stream)?)
@@ -54,7 +60,7 @@ impl<D: Device> Pool<D> {
     /// blocks become free and, unless cross-stream reuse is off, every stream's free blocks
     /// become shared.
     pub fn synchronize(&mut self) -> Result<(), PoolError> {
-        self.device.synchronize_device()?;
+        self.synchronize_device()?;
         self.settle_unreleased();
         self.settle_captured_frees()?;
         // Pending blocks first: completing them frees blocks that the fences must then cover.

@@ -33,20 +33,28 @@ pub struct PyDevicePtr {
     exports: AtomicU32,
     /// The block a free left held for the exports (taken under the pool's lock).
     held: Mutex<Option<HeldBlock>>,
+    /// The `Stream` objects it was allocated on and recorded as used on, kept alive: a stream
+    /// forgotten while its allocation is in use would leave the bytes without an order.
+    streams: Mutex<Vec<Py<PyStream>>>,
 }
 
+/// A stream id, and the `Stream` object it came from (none for the default stream).
+pub type StreamArg = (StreamId, Option<Py<PyStream>>);
+
 impl PyDevicePtr {
-    pub fn new(shared: Arc<Shared>, a: Allocation, stream: StreamId) -> Self {
+    pub fn new(shared: Arc<Shared>, a: Allocation, stream: StreamArg) -> Self {
         Self::with(shared, a.address, a.size, stream, Some(a.handle))
     }
 
-    pub fn empty(shared: Arc<Shared>, stream: StreamId) -> Self {
+    pub fn empty(shared: Arc<Shared>, stream: StreamArg) -> Self {
         Self::with(shared, 0, 0, stream, None)
     }
 
-    fn with(shared: Arc<Shared>, address: u64, size: u64, stream: StreamId, handle: Option<Handle>) -> Self {
+    fn with(shared: Arc<Shared>, address: u64, size: u64, stream: StreamArg, handle: Option<Handle>) -> Self {
         let (freed, exports, held) = (AtomicBool::new(false), AtomicU32::new(0), Mutex::new(None));
-        PyDevicePtr { shared, address, size, stream, handle, freed, exports, held }
+        let (stream, object) = stream;
+        let streams = Mutex::new(object.into_iter().collect());
+        PyDevicePtr { shared, address, size, stream, handle, freed, exports, held, streams }
     }
 
     /// Whether its pool is a parent's that this forked child cannot use (see `Shared`).
@@ -117,14 +125,19 @@ impl PyDevicePtr {
     }
 
     /// Marks this allocation as used on `stream` (see `Pool.record_stream`).
-    pub fn record_stream(&self, py: Python<'_>, stream: &PyStream) -> PyResult<()> {
-        let id = stream.id_for(&self.shared)?;
+    pub fn record_stream(&self, py: Python<'_>, stream: &Bound<'_, PyStream>) -> PyResult<()> {
+        let id = stream.get().id_for(&self.shared)?;
         let Some(handle) = self.handle else { return self.check_live() };
         // Recording a use asks the device whether the stream exists.
         self.shared.lock(py)?.detach(|pool| {
             self.check_live()?;
             pool.record_stream(handle, id).map_err(pool_error)
-        })
+        })?;
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if !streams.iter().any(|s| s.is(stream)) {
+            streams.push(stream.clone().unbind());
+        }
+        Ok(())
     }
 
     fn check_live(&self) -> PyResult<()> {
@@ -136,7 +149,7 @@ impl PyDevicePtr {
 
     pub fn memory(&self) -> interop::Memory<'_> {
         let (shared, address, size, stream, handle) = (&self.shared, self.address, self.size, self.stream, self.handle);
-        interop::Memory { shared, address, size, stream, handle }
+        interop::Memory { shared, address, size, stream, handle, held: &self.held }
     }
 
     /// For the array-interface getters: their AttributeError tells NumPy the interface is absent.
@@ -232,7 +245,7 @@ impl PyDevicePtr {
     }
 
     #[pyo3(name = "record_stream")]
-    fn py_record_stream(&self, py: Python<'_>, stream: &PyStream) -> PyResult<()> {
+    fn py_record_stream(&self, py: Python<'_>, stream: &Bound<'_, PyStream>) -> PyResult<()> {
         self.record_stream(py, stream)
     }
 

@@ -6,9 +6,11 @@ use super::error::{pool_error, value_error};
 use super::pool::{DevicePool, Shared};
 use crate::core::Handle;
 use crate::device::{Device, StreamId, DEFAULT_STREAM};
+use crate::pool::HeldBlock;
 use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
+use std::sync::Mutex;
 
 /// The bytes of one allocation, as the exports see them.
 pub struct Memory<'a> {
@@ -18,8 +20,9 @@ pub struct Memory<'a> {
     /// The stream the allocation was made on: consumers are ordered after it.
     pub stream: StreamId,
     /// The allocation, whose stream the pool knows now (a destroyed stream's allocations pass
-    /// to the default stream).
+    /// to the default stream), and its block once a free left it held for exports.
     pub handle: Option<Handle>,
+    pub held: &'a Mutex<Option<HeldBlock>>,
 }
 
 /// `(kDLCUDA, N)` for `cuda:N`, `(kDLCPU, 0)` for host memory.
@@ -40,7 +43,11 @@ fn cuda_ordinal(shared: &Shared) -> Option<i32> {
 impl Memory<'_> {
     /// The stream the allocation's work is ordered on.
     fn producer(&self, pool: &DevicePool) -> StreamId {
-        self.handle.and_then(|handle| pool.stream_of(handle).ok()).unwrap_or(self.stream)
+        if let Some(stream) = self.handle.and_then(|handle| pool.stream_of(handle).ok()) {
+            return stream;
+        }
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.as_ref().map_or(self.stream, |block| pool.held_stream(block))
     }
 
     /// Version 3 of the CUDA Array Interface: `typestr`/`shape` describe the bytes, `stream` is

@@ -230,17 +230,25 @@ impl PyPool {
     }
 
     #[pyo3(signature = (size, stream = None))]
-    fn alloc(&self, py: Python<'_>, size: &Bound<'_, PyAny>, stream: Option<&PyStream>) -> PyResult<PyDevicePtr> {
+    fn alloc(
+        &self,
+        py: Python<'_>,
+        size: &Bound<'_, PyAny>,
+        stream: Option<Bound<'_, PyStream>>,
+    ) -> PyResult<PyDevicePtr> {
         let size = size_arg(size, "size")?;
-        let stream = stream.map_or(Ok(DEFAULT_STREAM), |s| s.id_for(&self.shared))?;
+        let id = stream.as_ref().map_or(Ok(DEFAULT_STREAM), |s| s.get().id_for(&self.shared))?;
+        // The pointer keeps its stream alive: dropping the last other reference must not
+        // forget a stream whose allocation is still in use.
+        let stream = (id, stream.map(Bound::unbind));
         if size == 0 {
             return Ok(PyDevicePtr::empty(self.shared.clone(), stream));
         }
         // A cache hit needs no device: keep the GIL, it is cheaper than a release.
-        let cached = self.shared.lock(py)?.alloc_cached(size, stream).map_err(pool_error)?;
+        let cached = self.shared.lock(py)?.alloc_cached(size, id).map_err(pool_error)?;
         let allocation = match cached {
             Some(a) => a,
-            None => self.detached(py, |pool| pool.alloc_on(size, stream).map_err(pool_error))?,
+            None => self.detached(py, |pool| pool.alloc_on(size, id).map_err(pool_error))?,
         };
         Ok(PyDevicePtr::new(self.shared.clone(), allocation, stream))
     }
@@ -255,7 +263,7 @@ impl PyPool {
     /// `cupy.cuda.get_current_stream().ptr`); gpupool never destroys it. CUDA devices only.
     fn external_stream(&self, py: Python<'_>, handle: u64) -> PyResult<PyStream> {
         let id = self.detached(py, |pool| pool.device_mut().import_stream(handle).map_err(|e| pool_error(e.into())))?;
-        Ok(PyStream::new(self.shared.clone(), id))
+        Ok(PyStream::external(self.shared.clone(), id))
     }
 
     #[getter]
@@ -264,7 +272,7 @@ impl PyPool {
     }
 
     /// Marks `ptr` as used on `stream`: its free waits for that stream's queued work.
-    fn record_stream(&self, py: Python<'_>, ptr: &PyDevicePtr, stream: &PyStream) -> PyResult<()> {
+    fn record_stream(&self, py: Python<'_>, ptr: &PyDevicePtr, stream: &Bound<'_, PyStream>) -> PyResult<()> {
         if !ptr.belongs_to(&self.shared) {
             return Err(value_error("this DevicePtr belongs to another pool"));
         }

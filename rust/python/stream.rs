@@ -12,11 +12,18 @@ pub struct PyStream {
     shared: Arc<Shared>,
     id: StreamId,
     destroyed: AtomicBool,
+    /// Made elsewhere (`Pool.external_stream`): its owner may go on queuing work on it after
+    /// gpupool forgets it.
+    external: bool,
 }
 
 impl PyStream {
     pub fn new(shared: Arc<Shared>, id: StreamId) -> Self {
-        PyStream { shared, id, destroyed: AtomicBool::new(false) }
+        PyStream { shared, id, destroyed: AtomicBool::new(false), external: false }
+    }
+
+    pub fn external(shared: Arc<Shared>, id: StreamId) -> Self {
+        PyStream { shared, id, destroyed: AtomicBool::new(false), external: true }
     }
 
     /// The stream's id, after checking it belongs to `shared`'s pool and still exists.
@@ -89,7 +96,9 @@ impl PyStream {
         self.shared.lock(py)?.detach(|pool| pool.synchronize_stream(id).map_err(pool_error))
     }
 
-    /// Synchronizes and destroys the stream; its cached blocks go to every stream.
+    /// Synchronizes and destroys the stream; its cached blocks go to every stream and its live
+    /// allocations to the default stream. An external stream is only forgotten, and refused
+    /// while allocations are made or used on it.
     fn destroy(&self, py: Python<'_>) -> PyResult<()> {
         if self.id == DEFAULT_STREAM {
             return Err(value_error("the default stream cannot be destroyed"));
@@ -97,6 +106,14 @@ impl PyStream {
         self.shared.lock(py)?.detach(|pool| {
             // Checked under the lock: two racing destroys must not both reach the device.
             let id = self.live_id()?;
+            // Its allocations would pass to the default stream, which does not see the work
+            // the owner may still queue on this one. (A gpupool stream is gone for everyone.)
+            if self.external && pool.holds_memory_for(id) {
+                return Err(value_error(format!(
+                    "external stream {id} still has allocations made or used on it: free them (and let their \
+                     frees complete) before destroying it"
+                )));
+            }
             pool.destroy_stream(id).map_err(pool_error)?;
             self.destroyed.store(true, Ordering::Release);
             Ok(())
