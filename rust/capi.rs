@@ -76,11 +76,17 @@ impl DeviceState {
         self.pool.free(handle).inspect_err(|_| self.refused.push(handle))
     }
 
-    /// Retries the refused frees; those refused again stay.
+    /// Retries the refused frees; one refused again is freed after waiting for the device, so
+    /// that no event is needed (the stream that refused one may be gone). Those refused even
+    /// then stay, and the last error says why.
     fn retry_refused(&mut self) {
         if !self.refused.is_empty() {
             for handle in std::mem::take(&mut self.refused) {
-                let _ = self.free(handle);
+                let freed = self.pool.free(handle).or_else(|_| self.pool.free_synchronized(handle));
+                if let Err(e) = freed {
+                    self.refused.push(handle);
+                    remember_error(format!("a refused free failed again: {e}"));
+                }
             }
         }
     }

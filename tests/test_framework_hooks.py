@@ -214,6 +214,38 @@ def test_a_refused_free_is_retried_not_leaked(fake):
     assert result["reserved"] == 0, "every block came back, so empty_cache returned every segment"
 
 
+def test_a_refused_free_is_retried_after_its_stream_is_gone(fake):
+    # The stream that refused the free's event is destroyed by its owner before the retry: the
+    # retry waits for the device instead of recording an event on it.
+    result = run(
+        (
+            """
+        import os
+        import gpupool.torch
+        gpupool.torch.install("strategy:pytorch")
+        """,
+            INSTALLED,
+            """
+        use_context()
+        side = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(side), 1) == 0
+        ptr = alloc(1 << 20, 0, None)
+        record_stream(ptr, side)
+        os.environ["FAKE_CUDA_FAIL_EVENT_RECORD"] = str(calls("cuEventRecord") + 1)
+        free(ptr, 1 << 20, 0, None)
+        assert driver().cuStreamDestroy_v2(side) == 0
+        free(alloc(1 << 20, 0, None), 1 << 20, 0, None)
+        empty_cache()
+        stats = gpupool.torch.memory_stats(0)
+        report(allocations=stats["allocation.all.current"], reserved=stats["reserved_bytes.all.current"],
+               error=gpupool.torch.last_error())
+        """,
+        ),
+        fake,
+    )
+    assert (result["allocations"], result["reserved"]) == (0, 0), result["error"]
+
+
 def test_a_failed_allocation_is_thrown_not_returned_as_null(fake, caller):
     result = run(
         (

@@ -510,6 +510,13 @@ impl Heap {
         Ok(in_mask)
     }
 
+    /// Forgets the streams recorded as using an allocated block (after they all finished).
+    pub fn clear_uses(&mut self, handle: Handle) -> Result<(), HeapError> {
+        self.block(handle)?;
+        self.blocks[handle.index as usize].uses = 0;
+        Ok(())
+    }
+
     /// Ends an allocation: the user no longer holds the block.
     #[inline(always)]
     fn end_allocation(&mut self, handle: Handle) -> Result<u32, HeapError> {

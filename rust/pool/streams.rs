@@ -27,6 +27,21 @@ impl<D: Device> Pool<D> {
         self.heap.holds_for(stream) || self.deferred.lists_use_on(stream)
     }
 
+    /// [`Pool::free`] for a block whose free failed because the events its uses need could not
+    /// be recorded (a stream its owner destroyed since, a driver refusal): the device is waited
+    /// for first, and then nothing can still use the block. As with `free`, an error changes
+    /// nothing.
+    pub fn free_synchronized(&mut self, handle: Handle) -> Result<(), PoolError> {
+        // A capture's uses are not waited for by a synchronize: the free holds the block for it.
+        if self.captures_graphs && self.used_by_capture(handle)? {
+            return self.free(handle);
+        }
+        self.synchronize_device()?;
+        self.heap.clear_uses(handle)?;
+        self.deferred.forget_uses(handle.index);
+        self.free(handle)
+    }
+
     /// Simulated devices: marks `stream` busy until synchronized.
     pub fn hold_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
         Ok(self.device.hold_stream(stream)?)
