@@ -234,7 +234,7 @@ def test_importing_pages_without_virtual_memory_calls_is_an_error(build_fake):
         """
         import os
         try:
-            _native._import_pages(0, os.getpid(), [(0, 2 << 20)])
+            _native._import_pages(0, os.getpid(), [(0, 2 << 20, 0, 0)])
             error = None
         except RuntimeError as e:
             error = str(e)
@@ -794,9 +794,9 @@ def test_exported_pages_map_in_another_range_until_closed(fake):
         imported = _native._import_pages(0, pid, pages)
         added = mappings() - mapped
         imported.close()
-        for fd, _ in pages:
+        for fd, *_ in pages:
             os.close(fd)
-        report(pid=pid == os.getpid(), sizes=[size for _, size in pages], offset=offset, added=added,
+        report(pid=pid == os.getpid(), sizes=[size for _, size, *_ in pages], offset=offset, added=added,
                apart=imported.base != ptr.ptr - offset, left=mappings() - mapped,
                violations=violations())
         """,

@@ -704,3 +704,36 @@ def test_numba_ipc_through_shareable_handles(fake, strategy, least):
     assert result["unmapped"] == result["pages"], "closing unmaps the imported pages"
     assert result["address"] != result["own"], "mapped at an address range of the importer's own"
     assert result["size"] == 5 * MiB
+
+
+def test_numba_a_stale_ipc_handle_is_refused_not_mapped_to_other_pages(fake):
+    # Once the exporter closes a handle's descriptors, a new export can reuse their numbers: the
+    # stale handle must not open whatever file has the number now.
+    result = run(
+        (
+            """
+        import gc, os, pickle
+        os.environ["GPUPOOL_ALLOC_CONF"] = "shareable_handle:posix_fd,strategy:pages"
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        first, second = manager.memalloc(4 << 20), manager.memalloc(4 << 20)
+        handle = manager.get_ipc_handle(first)
+        stale, numbers = pickle.dumps(handle), [page[0] for page in handle.export[1]]
+        del handle
+        gc.collect()
+        fresh = manager.get_ipc_handle(second)
+        mapped = mappings()
+        try:
+            pickle.loads(stale).open(cuda.context_for(0))
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        report(reused=numbers == [page[0] for page in fresh.export[1]], error=error, left=mappings() - mapped)
+        """,
+        ),
+        fake,
+    )
+    assert result["reused"], "the fresh export took the stale one's descriptor numbers"
+    assert "stale" in result["error"] and result["left"] == 0

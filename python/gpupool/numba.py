@@ -50,7 +50,7 @@ def _shared_pages_handle_class() -> type:
             self.export, self._imported = export, None
             if owner:
                 # The descriptors must outlive the pickling; they go when this handle does.
-                weakref.finalize(self, _close_all, [fd for fd, _ in pages])
+                weakref.finalize(self, _close_all, [fd for fd, *_ in pages])
 
         def __reduce__(self) -> tuple:
             return (_rebuild_shared_pages, (self.export,))
@@ -76,8 +76,9 @@ def _shared_pages_handle_class() -> type:
 
 
 def shared_pages_handle(base: Any, export: tuple, owner: bool = True) -> Any:
-    """An IpcHandle for pages exported as ``export`` = (pid, [(fd, size)], offset, size, device,
-    source identity); the exporting process owns (and eventually closes) the descriptors."""
+    """An IpcHandle for pages exported as ``export`` = (pid, [(fd, size, st_dev, st_ino)], offset,
+    size, device, source identity); the exporting process owns (and eventually closes) the
+    descriptors."""
     return _shared_pages_handle_class()(base, export, owner)
 
 

@@ -84,14 +84,24 @@ pub struct MappingOptions {
     pub peers: Vec<i32>,
 }
 
-/// Pages exported for another process: the exporter's pid, one file descriptor per physical
-/// allocation (with its size, in address order), and where the range asked for starts in the
-/// first. The exporting process closes the descriptors once the other side has duplicated them.
+/// Pages exported for another process: the exporter's pid, one page per physical allocation (in
+/// address order), and where the range asked for starts in the first. The exporting process
+/// closes the descriptors once the other side has duplicated them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedPages {
     pub pid: u32,
-    pub pages: Vec<(i32, u64)>,
+    pub pages: Vec<ExportedPage>,
     pub offset: u64,
+}
+
+/// One physical allocation's descriptor in the exporter, with the file it names (`st_dev`,
+/// `st_ino`): once the exporter closes it, a later export may get the same number, and an
+/// importer holding a stale handle must be able to tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportedPage {
+    pub fd: i32,
+    pub file: (u64, u64),
+    pub size: u64,
 }
 
 /// What a device has: `total` is its capacity (None for "whatever the host gives").

@@ -4,12 +4,17 @@
 use super::error::pool_error;
 use super::pool::PyPool;
 use crate::device::cuda::ipc::{import_pages, ImportedPages};
+use crate::device::ExportedPage;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
-/// What Python receives for exported pages: `(pid, [(fd, size), ...], offset)`.
-type Export = (u32, Vec<(i32, u64)>, u64);
+/// One exported page as Python sees it: `(fd, size, st_dev, st_ino)`, the last two naming the
+/// file behind `fd` so that the importer can refuse a number since reused.
+type Page = (i32, u64, u64, u64);
+
+/// What Python receives for exported pages: `(pid, [page, ...], offset)`.
+type Export = (u32, Vec<Page>, u64);
 
 /// The pages under `[address, address + size)` of `pool`, exported; the caller closes the
 /// descriptors once the other process has taken them.
@@ -18,7 +23,8 @@ fn _export_pages(py: Python<'_>, pool: &PyPool, address: u64, size: u64) -> PyRe
     pool.shared().lock(py)?.detach(|pool| {
         let exported = pool.device_mut().export_pages(address, size);
         let e = exported.map_err(|e| pool_error(e.into()))?;
-        Ok((e.pid, e.pages, e.offset))
+        let pages = e.pages.iter().map(|p| (p.fd, p.size, p.file.0, p.file.1)).collect();
+        Ok((e.pid, pages, e.offset))
     })
 }
 
@@ -46,7 +52,9 @@ impl PySharedPages {
 
 /// Maps on `cuda:device` the pages process `pid` exported (see `_export_pages`).
 #[pyfunction]
-fn _import_pages(py: Python<'_>, device: i32, pid: u32, pages: Vec<(i32, u64)>) -> PyResult<PySharedPages> {
+fn _import_pages(py: Python<'_>, device: i32, pid: u32, pages: Vec<Page>) -> PyResult<PySharedPages> {
+    let pages: Vec<_> =
+        pages.into_iter().map(|(fd, size, dev, ino)| ExportedPage { fd, file: (dev, ino), size }).collect();
     let imported = py.detach(|| import_pages(device, pid, &pages)).map_err(|e| pool_error(e.into()))?;
     Ok(PySharedPages { base: imported.base(), pages: Mutex::new(Some(imported)) })
 }

@@ -5,11 +5,13 @@
 //! process duplicates those descriptors out of the exporter (`pidfd_open` + `pidfd_getfd`, Linux
 //! 5.6 and later, as PyTorch's expandable segments do), turns them back into handles
 //! (`cuMemImportFromShareableHandle`) and maps them side by side in an address range of its own.
+//! Each export also names the file behind each descriptor, because a handle can outlive its
+//! descriptors: the importer checks that the number it duplicated still names that file.
 
 use super::driver::{self, check, Context};
 use super::vmm::device_access;
 use super::Cuda;
-use crate::device::{DeviceError, ExportedPages};
+use crate::device::{DeviceError, ExportedPage, ExportedPages};
 use cudarc::driver::sys;
 
 /// Exporting and importing need these beyond the virtual memory calls.
@@ -34,8 +36,8 @@ impl Cuda {
         let _current = self.context.enter()?;
         let mut pages = Vec::with_capacity(mappings.len());
         for &(start, size) in &mappings {
-            match export_one(start) {
-                Ok(fd) => pages.push((fd, size)),
+            match export_one(start, size) {
+                Ok(page) => pages.push(page),
                 Err(e) => {
                     close_all(&pages);
                     return Err(e);
@@ -46,8 +48,9 @@ impl Cuda {
     }
 }
 
-/// One mapping's handle as a new file descriptor; the context must be current.
-fn export_one(address: u64) -> Result<i32, DeviceError> {
+/// The mapping at `address`, of `size` bytes, exported as a new file descriptor; the context
+/// must be current.
+fn export_one(address: u64, size: u64) -> Result<ExportedPage, DeviceError> {
     let mut handle = 0;
     // SAFETY: `address` is inside a live mapping of ours; one handle written, released below.
     check("cuMemRetainAllocationHandle", unsafe {
@@ -60,18 +63,31 @@ fn export_one(address: u64) -> Result<i32, DeviceError> {
     });
     // SAFETY: balances the retain; the mapping keeps the memory.
     let released = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
-    if exported.is_ok() && released.is_err() {
+    exported?;
+    let page = released.and_then(|()| file_of(fd)).map(|file| ExportedPage { fd, file, size });
+    if page.is_err() {
         // SAFETY: the descriptor the export just opened, which nobody else has seen.
         unsafe { libc::close(fd) };
     }
-    exported.and(released).map(|()| fd)
+    page
 }
 
-fn close_all(pages: &[(i32, u64)]) {
-    for &(fd, _) in pages {
+fn close_all(pages: &[ExportedPage]) {
+    for page in pages {
         // SAFETY: descriptors this module opened and nobody else has seen.
-        unsafe { libc::close(fd) };
+        unsafe { libc::close(page.fd) };
     }
+}
+
+/// The file `fd` names: its device and inode.
+fn file_of(fd: i32) -> Result<(u64, u64), DeviceError> {
+    // SAFETY: all zeroes is a valid `stat`, which fstat overwrites.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `stat` is writable and outlives the call; a bad descriptor is an error, not UB.
+    if unsafe { libc::fstat(fd, &mut stat) } != 0 {
+        return Err(DeviceError::Driver(format!("fstat: {}", std::io::Error::last_os_error())));
+    }
+    Ok((stat.st_dev, stat.st_ino))
 }
 
 /// Another process's pages mapped here, side by side; unmapped when dropped.
@@ -90,9 +106,8 @@ impl ImportedPages {
     }
 }
 
-/// Maps on `cuda:ordinal` the pages process `pid` exported as `pages` (its descriptors, with
-/// each mapping's size).
-pub fn import_pages(ordinal: i32, pid: u32, pages: &[(i32, u64)]) -> Result<ImportedPages, DeviceError> {
+/// Maps on `cuda:ordinal` the pages process `pid` exported as `pages`.
+pub fn import_pages(ordinal: i32, pid: u32, pages: &[ExportedPage]) -> Result<ImportedPages, DeviceError> {
     driver::require_symbols(driver::VMM_SYMBOLS, "virtual memory management")?;
     driver::require_symbols(IPC_SYMBOLS, "sharing pages between processes")?;
     let context = Context::retain(ordinal)?;
@@ -101,7 +116,7 @@ pub fn import_pages(ordinal: i32, pid: u32, pages: &[(i32, u64)]) -> Result<Impo
         return Err(DeviceError::Unsupported("virtual memory management, which importing pages needs"));
     }
     let _current = context.enter()?;
-    let size: u64 = pages.iter().map(|&(_, s)| s).sum();
+    let size: u64 = pages.iter().map(|page| page.size).sum();
     let mut base = 0;
     // SAFETY: the context is current; the driver picks the address.
     check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut base, size as usize, 0, 0, 0) })?;
@@ -109,10 +124,10 @@ pub fn import_pages(ordinal: i32, pid: u32, pages: &[(i32, u64)]) -> Result<Impo
     let mut imported = ImportedPages { context, base, size, mappings: Vec::new() };
     let pidfd = pidfd_open(pid)?;
     let mut at = base;
-    let mapped = pages.iter().try_for_each(|&(fd, len)| {
-        map_imported(pidfd, fd, at, len)?;
-        imported.mappings.push((at, len));
-        at += len;
+    let mapped = pages.iter().try_for_each(|page| {
+        map_imported(pid, pidfd, page, at)?;
+        imported.mappings.push((at, page.size));
+        at += page.size;
         Ok(())
     });
     // SAFETY: a descriptor opened above, closed once.
@@ -124,13 +139,29 @@ pub fn import_pages(ordinal: i32, pid: u32, pages: &[(i32, u64)]) -> Result<Impo
     Ok(imported)
 }
 
-/// Duplicates the exporter's descriptor `fd`, imports it and maps it at `address`.
-fn map_imported(pidfd: i32, fd: i32, address: u64, len: u64) -> Result<(), DeviceError> {
+/// Duplicates `page`'s descriptor out of process `pid` (open as `pidfd`), imports it and maps it
+/// at `address`.
+fn map_imported(pid: u32, pidfd: i32, page: &ExportedPage, address: u64) -> Result<(), DeviceError> {
+    let (fd, len) = (page.fd, page.size);
     // SAFETY: pidfd_getfd takes a pidfd, the other process's descriptor and flags 0.
     let local = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) } as i32;
     if local < 0 {
         return Err(DeviceError::Driver(format!("pidfd_getfd: {}", std::io::Error::last_os_error())));
     }
+    let same_file = file_of(local).and_then(|file| {
+        if file == page.file {
+            return Ok(());
+        }
+        Err(DeviceError::Driver(format!(
+            "stale IPC handle: descriptor {fd} of process {pid} no longer names the exported pages (the \
+             exporter closed the handle, and the number now belongs to another file)"
+        )))
+    });
+    if same_file.is_err() {
+        // SAFETY: our duplicate, closed once.
+        unsafe { libc::close(local) };
+    }
+    same_file?;
     let mut handle = 0;
     // SAFETY: `local` is an open descriptor of an exported allocation; the driver takes the int
     // as a pointer-sized value.
