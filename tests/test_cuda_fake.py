@@ -837,6 +837,33 @@ def test_a_failed_release_leaks_no_descriptor_and_no_mapping(fake):
     assert "cuMemRelease" in result["import_error"] and result["left"] == 0
 
 
+def test_closing_imported_pages_reports_a_failed_unmap_and_retries(fake):
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="strategy:pages,shareable_handle:posix_fd")
+        ptr = pool.alloc(2 << 20)
+        pid, pages, offset = _native._export_pages(pool, ptr.ptr, 2 << 20)
+        mapped = mappings()
+        imported = _native._import_pages(0, pid, pages)
+        def close():
+            frees = calls("cuMemAddressFree")
+            try:
+                imported.close()
+                error = None
+            except RuntimeError as e:
+                error = str(e)
+            return error, mappings() - mapped, calls("cuMemAddressFree") - frees
+        report(failed=close(), retried=close(), again=close())
+        """,
+        fake,
+        fail_unmap=1,
+    )
+    error, kept, freed = result["failed"]
+    assert "cuMemUnmap" in error and (kept, freed) == (1, 0), "the mapping stays, and so does its range"
+    assert result["retried"] == [None, 0, 1], "a later close() finishes the job"
+    assert result["again"] == [None, 0, 0]
+
+
 PEER_ACCESS = """
 def attempt(config):
     try:

@@ -43,9 +43,14 @@ impl PySharedPages {
         self.base
     }
 
+    /// Unmaps the pages; raises the driver's error if that fails, keeping what is left for a
+    /// later `close()` to retry.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self.pages.lock().map_err(|_| PyValueError::new_err("a close panicked"))?.take();
-        py.detach(|| drop(taken));
+        let mut pages = self.pages.lock().map_err(|_| PyValueError::new_err("a close panicked"))?;
+        if let Some(imported) = pages.as_mut() {
+            py.detach(|| imported.close()).map_err(|e| pool_error(e.into()))?;
+        }
+        *pages = None;
         Ok(())
     }
 }

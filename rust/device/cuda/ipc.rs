@@ -90,19 +90,53 @@ fn file_of(fd: i32) -> Result<(u64, u64), DeviceError> {
     Ok((stat.st_dev, stat.st_ino))
 }
 
-/// Another process's pages mapped here, side by side; unmapped when dropped.
+/// Another process's pages mapped here, side by side; `close` unmaps them, or dropping does,
+/// best-effort.
 #[derive(Debug)]
 pub struct ImportedPages {
     context: Context,
     base: u64,
     size: u64,
+    /// The mappings still in place: each leaves once unmapped.
     mappings: Vec<(u64, u64)>,
+    /// Set until `[base, base + size)` goes back to the driver.
+    reserved: bool,
 }
 
 impl ImportedPages {
     /// Where the pages start in this process.
     pub fn base(&self) -> u64 {
         self.base
+    }
+
+    /// Unmaps the pages and frees their range. What fails stays recorded, so that a later call
+    /// retries it rather than reporting success over a live mapping; the exporter's memory stays
+    /// its own either way.
+    pub fn close(&mut self) -> Result<(), DeviceError> {
+        if self.mappings.is_empty() && !self.reserved {
+            return Ok(());
+        }
+        let _current = self.context.enter()?;
+        let mut first_error = None;
+        self.mappings.retain(|&(address, len)| {
+            // SAFETY: a mapping made by `import_pages` and not unmapped yet.
+            match check("cuMemUnmap", unsafe { sys::cuMemUnmap(address, len as usize) }) {
+                Ok(()) => false,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    true
+                }
+            }
+        });
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        if self.reserved {
+            // SAFETY: the range reserved by `import_pages`, now without mappings, freed once.
+            check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(self.base, self.size as usize) })?;
+            self.reserved = false;
+        }
+        Ok(())
     }
 }
 
@@ -121,7 +155,7 @@ pub fn import_pages(ordinal: i32, pid: u32, pages: &[ExportedPage]) -> Result<Im
     // SAFETY: the context is current; the driver picks the address.
     check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut base, size as usize, 0, 0, 0) })?;
     // From here on, dropping `imported` undoes whatever was mapped.
-    let mut imported = ImportedPages { context, base, size, mappings: Vec::new() };
+    let mut imported = ImportedPages { context, base, size, mappings: Vec::new(), reserved: true };
     let pidfd = pidfd_open(pid)?;
     let mut at = base;
     let mapped = pages.iter().try_for_each(|page| {
@@ -192,14 +226,8 @@ fn pidfd_open(pid: u32) -> Result<i32, DeviceError> {
 }
 
 impl Drop for ImportedPages {
-    /// The exporter's memory stays its own: only this process's mappings and range go.
+    /// Best-effort: a caller that must know whether the pages went calls `close` first.
     fn drop(&mut self) {
-        let Ok(_current) = self.context.enter() else { return };
-        for &(address, len) in &self.mappings {
-            // SAFETY: mappings made by `import_pages`, unmapped once.
-            let _ = unsafe { sys::cuMemUnmap(address, len as usize) };
-        }
-        // SAFETY: the range reserved by `import_pages`, now without mappings.
-        let _ = unsafe { sys::cuMemAddressFree(self.base, self.size as usize) };
+        let _ = self.close();
     }
 }
