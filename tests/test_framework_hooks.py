@@ -737,3 +737,49 @@ def test_numba_a_stale_ipc_handle_is_refused_not_mapped_to_other_pages(fake):
     )
     assert result["reused"], "the fresh export took the stale one's descriptor numbers"
     assert "stale" in result["error"] and result["left"] == 0
+
+
+def test_numba_a_failed_ipc_handle_leaves_no_descriptor_open(fake):
+    # The descriptors belong to the handle: if it is never made, nothing else would close them.
+    result = run(
+        (
+            """
+        import os
+        os.environ["GPUPOOL_ALLOC_CONF"] = "shareable_handle:posix_fd,strategy:pages"
+        import gpupool.numba
+        from numba import cuda
+        from numba.cuda.cudadrv import driver
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        pointer = manager.memalloc(4 << 20)
+        def fail(*args, **kwargs):
+            raise OSError("refused")
+        def leaked(patch):
+            descriptors = len(os.listdir("/proc/self/fd"))
+            patch()
+            try:
+                manager.get_ipc_handle(pointer)
+            except OSError:
+                pass
+            return len(os.listdir("/proc/self/fd")) - descriptors
+        identity = leaked(lambda: setattr(manager.context.device, "get_device_identity", fail))
+        del manager.context.device.get_device_identity
+        handle = leaked(lambda: setattr(driver.IpcHandle, "__init__", fail))
+        kept, closed = os.open("/dev/null", os.O_RDONLY), os.open("/dev/null", os.O_RDONLY)
+        os.close(closed)
+        try:
+            gpupool.numba._close_all([closed, kept])
+        except OSError:
+            pass
+        try:
+            os.close(kept)
+            left_open = True
+        except OSError:
+            left_open = False
+        report(identity=identity, handle=handle, left_open=left_open)
+        """,
+        ),
+        fake,
+    )
+    assert (result["identity"], result["handle"]) == (0, 0)
+    assert not result["left_open"], "one descriptor failing to close leaves the rest open"

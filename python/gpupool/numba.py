@@ -87,8 +87,15 @@ def _rebuild_shared_pages(export: tuple) -> Any:
 
 
 def _close_all(fds: list[int]) -> None:
+    """Closes every descriptor, then raises the first failure: one must not keep the rest open."""
+    failure = None
     for fd in fds:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 def _build() -> type:
@@ -145,9 +152,14 @@ def _build() -> type:
             address = _address(memory)
             if self.pool.config["shareable_handle"] == "posix_fd":
                 # Pages made shareable travel as file descriptors, one per physical allocation.
+                # Only the handle closes them, so whatever can fail is looked up first.
+                device, source = self.context.device.id, self.context.device.get_device_identity()
                 pid, pages, offset = gpupool._native._export_pages(self.pool, address, memory.size)
-                source = self.context.device.get_device_identity()
-                return shared_pages_handle(memory, (pid, pages, offset, memory.size, self.context.device.id, source))
+                try:
+                    return shared_pages_handle(memory, (pid, pages, offset, memory.size, device, source))
+                except BaseException:
+                    _close_all([fd for fd, *_ in pages])
+                    raise
             # A CUDA IPC handle exists for the pool's cuMemAlloc segments (strategies with plain
             # segments, such as strategy:pytorch); gpupool says clearly when the memory has none,
             # then Numba's own mixin builds the IpcHandle its receiving side opens.
