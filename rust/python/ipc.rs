@@ -46,12 +46,17 @@ impl PySharedPages {
     /// Unmaps the pages; raises the driver's error if that fails, keeping what is left for a
     /// later `close()` to retry.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let mut pages = self.pages.lock().map_err(|_| PyValueError::new_err("a close panicked"))?;
-        if let Some(imported) = pages.as_mut() {
-            py.detach(|| imported.close()).map_err(|e| pool_error(e.into()))?;
+        let lock = || self.pages.lock().map_err(|_| PyValueError::new_err("a close panicked"));
+        // Taken out first: the lock is never held while detached, where a thread waiting for it
+        // with the interpreter attached would deadlock with this one.
+        let Some(mut imported) = lock()?.take() else { return Ok(()) };
+        match py.detach(|| imported.close()) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                *lock()? = Some(imported);
+                Err(pool_error(e.into()))
+            }
         }
-        *pages = None;
-        Ok(())
     }
 }
 
