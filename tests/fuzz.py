@@ -40,7 +40,7 @@ def misuse_round(seed: int, scratch: Path, deadline: float) -> str | None:
                 return None
             log = scratch / f"misuse-{device}-{strategy}.log"
             print(f"  misuse {device} strategy:{strategy}", flush=True)
-            child = run_machine(device, strategy, MISUSE_EXAMPLES, seed, log)
+            child = run_machine(device, strategy, MISUSE_EXAMPLES, seed, log, timeout=900)
             if child.returncode != 0:
                 steps = log.read_text() if log.exists() else ""
                 return f"misuse {device} {strategy} (exit {child.returncode}):\n{child.stdout[-6000:]}\n{steps}"
@@ -97,7 +97,7 @@ def main() -> int:
         failure = misuse_round(seed, scratch, stop) or property_round(seed, stop)
         if failure:
             print(f"FAILED with seed {seed}: {failure}")
-            print(f"replay: make fuzz SEED={seed}")
+            print(f"replay: make fuzz SEED={seed}  (GPUPOOL_MISUSE_SHRINK=1 shrinks a misuse failure)")
             return 1
     print(f"{rounds} rounds passed")
     return 0

@@ -8,21 +8,25 @@ test failure rather than the end of the run; by hand:
 
 (device, strategy, examples, steps per example, step log). Each step is appended to the log
 before it runs (the log restarts with each example), so after a crash it holds the steps that
-led there. Without a crash, Hypothesis shrinks a failure and prints it as usual.
+led there. Failures are not shrunk unless ``GPUPOOL_MISUSE_SHRINK=1`` is set (shrinking a stateful
+failure can take Hypothesis five minutes); a child that hangs has its threads' stacks dumped
+(see tests/test_misuse.py).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import itertools
 import os
+import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import hypothesis.strategies as st
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import gpupool
@@ -40,6 +44,7 @@ BAD_SIZES = st.one_of(
 )
 DTYPES = ("uint8", "int16", "float32", "float64", "complex64", "bool")
 LOG: Path | None = None
+STACKS = None  # kept open for faulthandler
 
 
 def pick(data, items: list):
@@ -628,8 +633,12 @@ def _configured_case():
     if not spec:
         return None
     device, strategy, examples, steps, *rest = spec.split(",")
-    global LOG
+    global LOG, STACKS
     LOG = Path(rest[0]) if rest else None
+    if LOG is not None:
+        # A parent that finds this child hung asks for its threads' stacks with SIGUSR1.
+        STACKS = LOG.with_suffix(".stacks").open("w")
+        faulthandler.register(signal.SIGUSR1, file=STACKS, all_threads=True)
     attributes = {"device": device, "strategy": strategy}
     case = type(f"Misuse_{device}_{strategy}", (MisuseMachine,), attributes).TestCase
     case.settings = settings(
@@ -638,6 +647,10 @@ def _configured_case():
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),
+        # Shrinking a stateful failure can take Hypothesis five minutes; the step log already
+        # holds the failing program, so the suites report at once and a replay may shrink.
+        phases=[Phase.explicit, Phase.reuse, Phase.generate]
+        + ([Phase.shrink] if os.environ.get("GPUPOOL_MISUSE_SHRINK") else []),
     )
     return case
 

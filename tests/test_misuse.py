@@ -4,8 +4,11 @@ a child interpreter: a crash fails one test and shows the steps that led to it."
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +23,39 @@ STEPS = 40
 SEED = int(os.environ.get("GPUPOOL_FUZZ_SEED", "0"))
 
 
-def run_machine(device: str, strategy: str, examples: int, seed: int, log: Path) -> subprocess.CompletedProcess:
+def run_machine(
+    device: str, strategy: str, examples: int, seed: int, log: Path, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """Runs the machine in a child. One that outlives `timeout` is taken to hang: its threads'
+    Python stacks (the child dumps them on SIGUSR1) and native stacks (gdb, where present) are
+    appended to its stderr, and it is killed (exit -9)."""
     env = {**os.environ, "GPUPOOL_MISUSE": f"{device},{strategy},{examples},{STEPS},{log}"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(MACHINE)]
     command += [f"--hypothesis-seed={seed}", "-W", "error"]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = stacks_of_hung(child, log)
+        child.kill()
+        out, err = child.communicate()
+        err += f"\n--- the child hung for {timeout:.0f} s ---\n{stacks}"
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
+def stacks_of_hung(child: subprocess.Popen, log: Path) -> str:
+    """What each thread of a hung child is doing, as far as it can be told."""
+    python_stacks = log.with_suffix(".stacks")
+    child.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    found = [python_stacks.read_text() if python_stacks.exists() else "(no Python stacks)"]
+    if shutil.which("gdb"):
+        gdb = ["gdb", "-p", str(child.pid), "-batch", "-ex", "thread apply all bt 15"]
+        try:
+            found.append(subprocess.run(gdb, capture_output=True, text=True, timeout=120, check=False).stdout)
+        except subprocess.TimeoutExpired:
+            found.append("(gdb timed out)")
+    return "\n".join(found)
 
 
 @pytest.mark.parametrize("device", ["host", "sim"])
@@ -34,6 +65,6 @@ def test_no_program_crashes_or_corrupts_a_pool(device, strategy, tmp_path):
     child = run_machine(device, strategy, EXAMPLES[device] * EXAMPLES_SCALE, SEED, log)
     if child.returncode < 0 or child.returncode > 1:
         steps = log.read_text() if log.exists() else "(no step log)"
-        pytest.fail(f"the child died (exit {child.returncode}) after these steps:\n{steps}\n{child.stderr[-4000:]}")
+        pytest.fail(f"the child died (exit {child.returncode}) after these steps:\n{steps}\n{child.stderr[-30000:]}")
     assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-2000:]
     assert " passed" in child.stdout, child.stdout
