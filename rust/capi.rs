@@ -312,17 +312,21 @@ pub extern "C" fn gpupool_empty_cache() {
     }
 }
 
-static LAST_ERROR: Mutex<Option<String>> = Mutex::new(None);
-
-fn remember_error(e: String) {
-    if let Ok(mut last) = LAST_ERROR.lock() {
-        *last = Some(e);
-    }
+thread_local! {
+    /// Per thread, as `errno` and `cudaGetLastError`: with one slot for the process, a thread's
+    /// failure was read (and cleared) by another thread, or replaced by its failure.
+    static LAST_ERROR: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
 
-/// The most recent failure of a C entry point, cleared by reading it.
+fn remember_error(e: String) {
+    // `try_with`: a C call made while this thread's locals are being destroyed has nowhere to
+    // keep its reason.
+    let _ = LAST_ERROR.try_with(|last| *last.borrow_mut() = Some(e));
+}
+
+/// The most recent failure of a C entry point on this thread, cleared by reading it.
 pub fn take_last_error() -> Option<String> {
-    LAST_ERROR.lock().ok().and_then(|mut last| last.take())
+    LAST_ERROR.try_with(|last| last.borrow_mut().take()).ok().flatten()
 }
 
 /// The statistics of device `device`'s global pool, if it was opened.
@@ -369,6 +373,15 @@ mod tests {
         assert!(take_last_error().unwrap().contains("record_stream"));
         assert!(gpupool_alloc(-1, 0, stream).is_null());
         assert!(take_last_error().unwrap().contains("negative"));
+        // A thread's failure is its own to read.
+        let bad_free = || gpupool_free(8 as *mut c_void, 8, 0, std::ptr::null_mut());
+        std::thread::spawn(bad_free).join().unwrap();
+        assert_eq!(take_last_error(), None, "another thread's failure read here");
+        let own = std::thread::spawn(move || {
+            bad_free();
+            take_last_error()
+        });
+        assert!(own.join().unwrap().unwrap().contains("not a live allocation"));
         assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v > 0));
         gpupool_empty_cache();
         assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v == 0));

@@ -88,5 +88,6 @@ def empty_cache() -> int:
 
 
 def last_error() -> str | None:
-    """Why the latest allocation, free or record_stream through the hook failed."""
+    """Why this thread's latest allocation, free or record_stream through the hook failed
+    (cleared by reading it; each thread has its own, as with ``cudaGetLastError``)."""
     return _native._capi_last_error()
