@@ -782,6 +782,39 @@ def test_an_unreachable_peer_is_named(fake):
     assert "peer_access: cuda:3 cannot access cuda:0" in result["error"]
 
 
+def test_only_live_allocations_are_exported_to_other_processes(fake):
+    # A freed pointer's bytes belong to the cache (and soon to another allocation): neither
+    # its pages nor its segment's IPC handle may leave the process, nor a range that runs past
+    # the allocation.
+    result = fake_driver.run(
+        """
+        def refusal(call):
+            try:
+                call()
+                return None
+            except ValueError as e:
+                return str(e)
+        pages = gpupool.Pool("cuda:0", config="strategy:pages,shareable_handle:posix_fd")
+        keep, freed = pages.alloc(2 << 20), pages.alloc(2 << 20)
+        address = freed.ptr
+        freed.free()
+        plain = gpupool.Pool("cuda:0", config="strategy:pytorch")
+        live, gone = plain.alloc(1 << 20), plain.alloc(1 << 20)
+        gone_address = gone.ptr
+        gone.free()
+        report(freed_pages=refusal(lambda: _native._export_pages(pages, address, 2 << 20)),
+               past_end=refusal(lambda: _native._export_pages(pages, keep.ptr, 4 << 20)),
+               freed_handle=refusal(lambda: _native._ipc_handle(plain, gone_address)),
+               live_handle=refusal(lambda: _native._ipc_handle(plain, live.ptr + 100)))
+        """,
+        fake,
+    )
+    assert "not inside a live allocation" in result["freed_pages"]
+    assert "not inside a live allocation" in result["past_end"]
+    assert "not inside a live allocation" in result["freed_handle"]
+    assert result["live_handle"] is None
+
+
 def test_exported_pages_map_in_another_range_until_closed(fake):
     # The fake keeps each range's bytes apart, so only the mappings are checked, not the data.
     result = fake_driver.run(

@@ -535,6 +535,18 @@ impl<D: Device> Pool<D> {
         }
     }
 
+    /// Whether `[address, address + size)` lies inside one allocated block: memory its owner
+    /// may hand to another process. A freed block's bytes are the cache's (or another
+    /// allocation's) from then on. O(blocks): for exports, not for the hot path.
+    pub fn is_allocated(&self, address: u64, size: u64) -> bool {
+        let Some(end) = address.checked_add(size.max(1)) else { return false };
+        self.heap
+            .segments()
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .any(|b| b.state == BlockState::Allocated && b.address <= address && end <= b.address + b.size)
+    }
+
     /// The heap's invariants, plus: the device holds exactly the reserved bytes.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.heap.check_invariants()?;

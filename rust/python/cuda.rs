@@ -1,7 +1,7 @@
 //! Module functions about CUDA (`cuda_available`, `device_count`) and the private controls of
 //! the C ABI's process-wide pools (`gpupool.torch` and the tests use them).
 
-use super::error::{pool_error, value_error};
+use super::error::{not_allocated, pool_error, value_error};
 use super::pool::PyPool;
 use crate::capi::{self, Backend};
 use crate::pool::Config;
@@ -47,7 +47,12 @@ fn cuda_mem_get_info(py: Python<'_>, device: i32) -> PyResult<(u64, u64)> {
 /// of `address` in it: what Numba's `IpcHandle` carries to another process.
 #[pyfunction]
 fn _ipc_handle(py: Python<'_>, pool: &PyPool, address: u64) -> PyResult<(Vec<u8>, u64)> {
-    pool.shared().lock(py)?.detach(|pool| pool.device_mut().ipc_handle(address).map_err(|e| pool_error(e.into())))
+    pool.shared().lock(py)?.detach(|pool| {
+        if !pool.is_allocated(address, 1) {
+            return Err(not_allocated(address, 1));
+        }
+        pool.device_mut().ipc_handle(address).map_err(|e| pool_error(e.into()))
+    })
 }
 
 fn cuda_usable() -> bool {

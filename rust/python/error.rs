@@ -24,6 +24,11 @@ pub fn pool_error(e: PoolError) -> PyErr {
     }
 }
 
+/// Exporting memory (to another process) that is not inside one live allocation.
+pub fn not_allocated(address: u64, size: u64) -> PyErr {
+    PyValueError::new_err(format!("{size} bytes at {address:#x} are not inside a live allocation of this pool"))
+}
+
 /// A poisoned lock means a panic interrupted a device call; its state can no longer be trusted.
 pub fn poisoned<T>(_: T) -> PyErr {
     PyRuntimeError::new_err("the device was left in an unknown state by an earlier internal panic")

@@ -1,7 +1,7 @@
 //! `gpupool._native._SharedPages` and the functions that export and import pages between
 //! processes (`shareable_handle:posix_fd`); gpupool.numba's IPC handles use them.
 
-use super::error::pool_error;
+use super::error::{not_allocated, pool_error};
 use super::pool::PyPool;
 use crate::device::cuda::ipc::{import_pages, ImportedPages};
 use crate::device::ExportedPage;
@@ -21,6 +21,9 @@ type Export = (u32, Vec<Page>, u64);
 #[pyfunction]
 fn _export_pages(py: Python<'_>, pool: &PyPool, address: u64, size: u64) -> PyResult<Export> {
     pool.shared().lock(py)?.detach(|pool| {
+        if !pool.is_allocated(address, size) {
+            return Err(not_allocated(address, size));
+        }
         let exported = pool.device_mut().export_pages(address, size);
         let e = exported.map_err(|e| pool_error(e.into()))?;
         let pages = e.pages.iter().map(|p| (p.fd, p.size, p.file.0, p.file.1)).collect();
