@@ -24,11 +24,13 @@ SEED = int(os.environ.get("GPUPOOL_FUZZ_SEED", "0"))
 
 
 def run_machine(
-    device: str, strategy: str, examples: int, seed: int, log: Path, timeout: float = 240
+    device: str, strategy: str, examples: int, seed: int, log: Path, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
     """Runs the machine in a child. One that outlives `timeout` is taken to hang: its threads'
     Python stacks (the child dumps them on SIGUSR1) and native stacks (gdb, where present) are
-    appended to its stderr, and it is killed (exit -9)."""
+    appended to its stderr, and it is killed (exit -9). By default the limit leaves that time
+    inside pytest-timeout's 300 s (an example takes about 0.1 s)."""
+    timeout = timeout if timeout is not None else 120 + examples / 4
     env = {**os.environ, "GPUPOOL_MISUSE": f"{device},{strategy},{examples},{STEPS},{log}"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(MACHINE)]
     command += [f"--hypothesis-seed={seed}", "-W", "error"]
@@ -52,7 +54,7 @@ def stacks_of_hung(child: subprocess.Popen, log: Path) -> str:
     if shutil.which("gdb"):
         gdb = ["gdb", "-p", str(child.pid), "-batch", "-ex", "thread apply all bt 15"]
         try:
-            found.append(subprocess.run(gdb, capture_output=True, text=True, timeout=120, check=False).stdout)
+            found.append(subprocess.run(gdb, capture_output=True, text=True, timeout=60, check=False).stdout)
         except subprocess.TimeoutExpired:
             found.append("(gdb timed out)")
     return "\n".join(found)
