@@ -445,6 +445,13 @@ class MisuseMachine(RuleBasedStateMachine):
                 pass
             else:
                 raise AssertionError("a stream was destroyed twice")
+            # Its live and held allocations pass to the default stream, their frees and copies
+            # now ordered there: a use on the default stream is the owner's own, with no wait.
+            # (A dropped stream is destroyed only once no pointer holds it, so none has any.)
+            for entry in self.entries:
+                if entry.stream == sid:
+                    entry.stream = 0
+                    entry.uses.discard(0)
         self.stream_idle(sid)
 
     def destroy_default_stream(self):
