@@ -290,6 +290,10 @@ ASYNC, PAGED, PLAIN = (1, 0, 0), (0, 1, 0), (0, 0, 1)
         ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, True, ASYNC),
         ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, True, ASYNC),
         ({"GPUPOOL_ALLOC_CONF": "strategy:pytorch", "PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, True, PLAIN),
+        # A variable set to nothing is set: PyTorch then reads PYTORCH_ALLOC_CONF (its defaults) and
+        # never the deprecated PYTORCH_CUDA_ALLOC_CONF; an empty GPUPOOL_ALLOC_CONF is the defaults.
+        ({"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, True, PAGED),
+        ({"GPUPOOL_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, True, PAGED),
     ],
 )
 def test_install_reads_the_configuration(fake, env, pytorch_env, calls):

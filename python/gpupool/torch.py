@@ -33,9 +33,14 @@ PYTORCH_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def config_from_environment(pytorch_env: bool = False) -> str:
-    """``GPUPOOL_ALLOC_CONF``, else with ``pytorch_env`` PyTorch's variables, else the defaults."""
+    """``GPUPOOL_ALLOC_CONF``, else with ``pytorch_env`` PyTorch's variables, else the defaults.
+
+    The first variable that is set wins, even when set to nothing: PyTorch reads a set
+    ``PYTORCH_ALLOC_CONF`` (an empty one meaning its defaults) and then ignores the deprecated
+    ``PYTORCH_CUDA_ALLOC_CONF``, and ``gpupool.Pool`` reads an empty ``GPUPOOL_ALLOC_CONF`` so too.
+    """
     names = ("GPUPOOL_ALLOC_CONF", *PYTORCH_ENV_VARS) if pytorch_env else ("GPUPOOL_ALLOC_CONF",)
-    return next((os.environ[name] for name in names if os.environ.get(name)), "")
+    return next((os.environ[name] for name in names if name in os.environ), "")
 
 
 def install(config: str | None = None, *, pytorch_env: bool = False) -> None:
