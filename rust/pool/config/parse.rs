@@ -5,6 +5,7 @@ use super::{Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, 
 use super::{DEFAULT_ARENA_MB, DEFAULT_PAGE_MB, MIB, MIN_SPLIT_LIMIT_MB};
 use crate::core::{Rules, POWER2_INTERVALS};
 use crate::device::MappingOptions;
+use std::num::IntErrorKind;
 
 /// Every key, for the message naming an unknown one.
 const KNOWN_KEYS: &str = "strategy, backend, max_split_size_mb, max_non_split_rounding_mb, \
@@ -84,8 +85,9 @@ pub(super) struct Keys {
     strategy: Option<Strategy>,
     backend: Option<Backend>,
     expandable_segments: Option<bool>,
-    max_split_size_mb: Option<u64>,
-    max_non_split_rounding_mb: Option<u64>,
+    /// Bytes (`max_split_size_mb` and `max_non_split_rounding_mb` as PyTorch multiplies them out).
+    max_split_size: Option<u64>,
+    max_non_split_rounding: Option<u64>,
     power2_divisions: Option<[u32; POWER2_INTERVALS]>,
     large_segment_size_mb: Option<u64>,
     garbage_collection_threshold: Option<f64>,
@@ -117,10 +119,8 @@ impl Keys {
                 let backends = [("native", Backend::Native), ("cudaMallocAsync", Backend::CudaMallocAsync)];
                 self.backend = Some(choice(key, value, &backends)?);
             }
-            "max_split_size_mb" => self.max_split_size_mb = Some(at_least(key, value, MIN_SPLIT_LIMIT_MB)?),
-            "max_non_split_rounding_mb" => {
-                self.max_non_split_rounding_mb = Some(at_least(key, value, MIN_SPLIT_LIMIT_MB)?)
-            }
+            "max_split_size_mb" => self.max_split_size = Some(split_limit(key, value)?),
+            "max_non_split_rounding_mb" => self.max_non_split_rounding = Some(split_limit(key, value)?),
             "roundup_power2_divisions" => {
                 let table = divisions(value).map_err(|why| ConfigError(format!("config key '{key}': {why}")))?;
                 self.power2_divisions = Some(table);
@@ -163,8 +163,9 @@ impl Keys {
                 }
                 self.note_inert(key);
             }
+            // PyTorch takes any positive count that fits 64 bits.
             "pinned_reserve_segment_size_mb" => {
-                at_least(key, value, 1)?;
+                integer(key, value, 1, u64::MAX)?;
                 self.note_inert(key);
             }
             "pinned_max_cached_size_mb" | "pinned_max_round_threshold_mb" => {
@@ -191,11 +192,11 @@ impl Keys {
             Strategy::Eager => Rules::eager(),
             Strategy::Direct => Rules::direct(),
         };
-        if let Some(mb) = self.max_split_size_mb {
-            rules.max_split_size = mb * MIB;
+        if let Some(bytes) = self.max_split_size {
+            rules.max_split_size = bytes;
         }
-        if let Some(mb) = self.max_non_split_rounding_mb {
-            rules.max_non_split_rounding = mb * MIB;
+        if let Some(bytes) = self.max_non_split_rounding {
+            rules.max_non_split_rounding = bytes;
         }
         if let Some(mb) = self.large_segment_size_mb {
             rules.large_segment = mb * MIB;
@@ -270,12 +271,33 @@ fn choice<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T, C
     })
 }
 
+/// A megabyte count of gpupool's own bounds: at least `min`, below [`MAX_MB`].
 fn at_least(key: &str, value: &str, min: u64) -> Result<u64, ConfigError> {
-    value
-        .parse::<u64>()
+    integer(key, value, min, MAX_MB - 1)
+}
+
+/// An integer in `min..=max`; the error says which bound the value misses (a number too long
+/// for 64 bits misses the upper one).
+fn integer(key: &str, value: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
+    let parsed = value.parse::<u64>();
+    let too_large = match &parsed {
+        Ok(v) => *v > max,
+        Err(e) => *e.kind() == IntErrorKind::PosOverflow,
+    };
+    if too_large {
+        return Err(ConfigError(format!("config key '{key}' needs an integer of at most {max}, got '{value}'")));
+    }
+    parsed
         .ok()
-        .filter(|v| (min..MAX_MB).contains(v))
+        .filter(|v| *v >= min)
         .ok_or_else(|| ConfigError(format!("config key '{key}' needs an integer of at least {min}, got '{value}'")))
+}
+
+/// PyTorch's `max_split_size_mb` and `max_non_split_rounding_mb`: any count that fits 64 bits,
+/// at least [`MIN_SPLIT_LIMIT_MB`]; in bytes capped where the product would overflow, as
+/// PyTorch caps it (at `SIZE_MAX / 1 MiB` megabytes).
+fn split_limit(key: &str, value: &str) -> Result<u64, ConfigError> {
+    Ok(integer(key, value, MIN_SPLIT_LIMIT_MB, u64::MAX)?.min(u64::MAX / MIB) * MIB)
 }
 
 /// A page size in MiB: a power of two, as CUDA's mapping granularity (2 MiB) and its multiples
@@ -461,6 +483,36 @@ mod tests {
         ] {
             let message = err(text);
             assert!(message.contains(needle), "{text}: {message}");
+        }
+    }
+
+    /// PyTorch reads `max_split_size_mb` and `max_non_split_rounding_mb` with `stoull`: any count
+    /// that fits 64 bits, multiplied out with the count capped at `SIZE_MAX / 1 MiB`; a longer
+    /// number is an error. A count beyond a bound is named as such, not as one below the minimum.
+    #[test]
+    fn huge_megabyte_counts_read_as_pytorch_reads_them() {
+        let capped = u64::MAX / MIB * MIB;
+        for (text, bytes) in [
+            ("max_split_size_mb:1099511627776", 1 << 60),
+            ("max_split_size_mb:17592186044415", capped),
+            ("max_split_size_mb:18446744073709551615", capped),
+        ] {
+            assert_eq!(Config::parse(text).unwrap().rules.max_split_size, bytes, "{text}");
+        }
+        let rounding = Config::parse("max_non_split_rounding_mb:18446744073709551615").unwrap();
+        assert_eq!(rounding.rules.max_non_split_rounding, capped);
+        assert!(Config::parse("pinned_reserve_segment_size_mb:18446744073709551615").is_ok());
+        for (text, needle) in [
+            ("max_split_size_mb:18446744073709551616", "at most 18446744073709551615"),
+            ("max_non_split_rounding_mb:99999999999999999999999", "at most"),
+            ("pinned_reserve_segment_size_mb:18446744073709551616", "at most"),
+            ("page_size_mb:1099511627776", "at most 1099511627775"),
+            ("initial_pool_size_mb:1099511627776", "at most"),
+            ("large_segment_size_mb:1099511627776", "at most"),
+            ("max_split_size_mb:19", "at least 20"),
+        ] {
+            let message = err(text);
+            assert!(message.contains(needle) && message.contains(text.split(':').next().unwrap()), "{text}: {message}");
         }
     }
 
