@@ -107,7 +107,7 @@ pub struct Rules {
     /// PyTorch's `roundup_power2_divisions`: per power-of-two interval from 1 MiB, the number
     /// of equal steps sizes round up to (0 or 1: plain granule rounding). `None` when unset, so
     /// the common case costs one branch.
-    pub power2_divisions: Option<[u32; POWER2_INTERVALS]>,
+    pub power2_divisions: Option<[u64; POWER2_INTERVALS]>,
     pub split: SplitPolicy,
     pub growth: SegmentGrowth,
     /// [`SegmentGrowth::Doubling`]: the first region; [`SegmentGrowth::Units`]: the unit.
@@ -192,11 +192,12 @@ impl Rules {
     /// PyTorch's `roundup_power2_divisions`: a size in `[2^k, 2^(k+1))` rounds up to the next
     /// of `divisions` equal steps of that interval. `None` when plain rounding applies.
     #[cold]
-    fn round_power2(&self, divisions: &[u32; POWER2_INTERVALS], size: u64) -> Option<u64> {
+    fn round_power2(&self, divisions: &[u64; POWER2_INTERVALS], size: u64) -> Option<u64> {
         let log2 = 63 - size.max(1).leading_zeros();
         let interval = (log2.saturating_sub(POWER2_FIRST_LOG2) as usize).min(POWER2_INTERVALS - 1);
-        let steps = u64::from(divisions[interval]);
-        if steps <= 1 || size <= self.granule * steps {
+        let steps = divisions[interval];
+        // Saturating: a count may be any power of two that fits 64 bits.
+        if steps <= 1 || size <= self.granule.saturating_mul(steps) {
             return None;
         }
         if size.is_power_of_two() {
@@ -387,5 +388,10 @@ mod tests {
         assert_eq!(r.round(2 * MIB + 1), 2 * MIB + 512, "an interval set to 0 rounds plainly");
         assert_eq!(r.round((100 << 30) + 1), 104 << 30);
         assert_eq!(Rules::default().round(MIB + 1), MIB + 512);
+        // Counts up to 2^63: a granule times the count saturates instead of overflowing, and a
+        // count beyond every size leaves plain rounding.
+        let huge = Rules { power2_divisions: Some([1 << 63; POWER2_INTERVALS]), ..Rules::default() };
+        assert_eq!(huge.round(Rules::MAX_REQUEST - 1), Rules::MAX_REQUEST);
+        assert_eq!(huge.round(MIB + 1), MIB + 512);
     }
 }

@@ -237,7 +237,7 @@ pub enum Setting {
     /// Device numbers (`peer_access`).
     List(Vec<u64>),
     /// `roundup_power2_divisions`: each interval's start in MiB with its divisions.
-    Divisions(Vec<(u64, u32)>),
+    Divisions(Vec<(u64, u64)>),
 }
 
 impl Config {

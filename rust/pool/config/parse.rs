@@ -88,7 +88,7 @@ pub(super) struct Keys {
     /// Bytes (`max_split_size_mb` and `max_non_split_rounding_mb` as PyTorch multiplies them out).
     max_split_size: Option<u64>,
     max_non_split_rounding: Option<u64>,
-    power2_divisions: Option<[u32; POWER2_INTERVALS]>,
+    power2_divisions: Option<[u64; POWER2_INTERVALS]>,
     large_segment_size_mb: Option<u64>,
     garbage_collection_threshold: Option<f64>,
     per_process_memory_fraction: Option<f64>,
@@ -342,9 +342,10 @@ fn boolean(key: &str, value: &str) -> Result<bool, ConfigError> {
 /// `roundup_power2_divisions`: one count for every interval, or a list such as
 /// `[256:1,512:2,>:8]` where the first start (in MiB) also covers the intervals below it and `>`
 /// every interval after the last start named (PyTorch's reading).
-fn divisions(value: &str) -> Result<[u32; POWER2_INTERVALS], String> {
+fn divisions(value: &str) -> Result<[u64; POWER2_INTERVALS], String> {
+    // Any power of two that fits 64 bits, as PyTorch reads a count (`stoull`).
     let count = |text: &str, zero_ok: bool| {
-        text.parse::<u32>().ok().filter(|&n| n.is_power_of_two() || (zero_ok && n == 0)).ok_or_else(|| {
+        text.parse::<u64>().ok().filter(|&n| n.is_power_of_two() || (zero_ok && n == 0)).ok_or_else(|| {
             format!("divisions must be a power of two{}, got '{text}'", if zero_ok { " or 0" } else { "" })
         })
     };
@@ -513,6 +514,22 @@ mod tests {
         ] {
             let message = err(text);
             assert!(message.contains(needle) && message.contains(text.split(':').next().unwrap()), "{text}: {message}");
+        }
+    }
+
+    /// PyTorch takes any power of two that fits 64 bits as a division count, in both forms, and
+    /// records the table in snapshots as such; gpupool called 2^32 "not a power of two".
+    #[test]
+    fn division_counts_take_every_64_bit_power_of_two() {
+        let table = |text: &str| {
+            let c = Config::parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            c.entries().into_iter().find(|(k, _)| *k == "roundup_power2_divisions").unwrap().1.to_string()
+        };
+        assert!(table("roundup_power2_divisions:4294967296").starts_with("[1:4294967296,2:4294967296,"));
+        let top = "9223372036854775808";
+        assert!(table(&format!("roundup_power2_divisions:[256:2,>:{top}]")).ends_with(&format!("32768:{top}]")));
+        for bad in ["roundup_power2_divisions:18446744073709551616", "roundup_power2_divisions:[>:6442450944]"] {
+            assert!(err(bad).contains("power of two"), "{bad}");
         }
     }
 
