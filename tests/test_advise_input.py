@@ -248,6 +248,24 @@ def test_unknown_recorded_settings_are_named_not_fatal():
     assert ran.unknown[1].startswith("future_knob:3 (unknown config key 'future_knob'")
 
 
+def test_the_recorded_switch_wins_over_the_string(tmp_path):
+    # Where the platform lacks expandable segments PyTorch records the switch off and runs its
+    # plain segments, whatever PYTORCH_CUDA_ALLOC_CONF asked: the run is replayed as it ran.
+    entries, segments = warmed_up()
+    recorded = {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64",
+        "expandable_segments": False,
+    }
+    ran = settings.from_recorded(recorded)
+    assert (ran.env, ran.expandable) == ("max_split_size_mb:64", False)
+    assert ran.unknown == ["expandable_segments:True (recorded as off: PyTorch ran its plain segments)"]
+    advice = gpupool.advise(
+        write(tmp_path, {"device_traces": [entries], "segments": segments, "allocator_settings": recorded})
+    )
+    assert advice.as_run.gpupool_config.startswith("strategy:pytorch")
+    assert any("expandable_segments:True (recorded as off" in note for note in advice.notes)
+
+
 UNREADABLE_SETTINGS = {
     "keys of mixed types": ({1: 2, "a": 3}, ["1 (recorded field)", "a (recorded field)"]),
     "divisions of None": ({"roundup_power2_divisions": {"1": None}}, ["roundup_power2_divisions (recorded field: "]),

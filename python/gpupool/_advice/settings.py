@@ -90,11 +90,16 @@ def from_recorded(recorded: Mapping[str, Any] | None) -> Settings:
     threshold = recorded.get("garbage_collection_threshold")
     if isinstance(threshold, (int, float)) and 0 < threshold < 1:
         items["garbage_collection_threshold"] = repr(float(threshold))
-    if recorded.get("expandable_segments") is True:
-        items["expandable_segments"] = "True"
     # Keys of any type may come from a damaged file: sorted by their text.
     fields = sorted(recorded, key=str)
     unknown = [f"{k} (recorded field)" for k in fields if k not in _FIELDS and k not in _STRING_KEYS]
+    # The recorded switch is the one PyTorch used: off, whatever the string asked, where the
+    # platform lacks expandable segments (PyTorch warns once and runs its plain segments).
+    if recorded.get("expandable_segments") is True:
+        items["expandable_segments"] = "True"
+    elif recorded.get("expandable_segments") is False and items.get("expandable_segments") == "True":
+        del items["expandable_segments"]
+        unknown.append("expandable_segments:True (recorded as off: PyTorch ran its plain segments)")
     try:
         if divisions := _divisions(recorded.get("roundup_power2_divisions")):
             items["roundup_power2_divisions"] = divisions
