@@ -19,7 +19,9 @@ import faulthandler
 import gc
 import itertools
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +44,8 @@ BAD_SIZES = st.one_of(
     st.floats(allow_nan=True),
     st.sampled_from(["1MiB", None, b"\x00", 3.0, [1], object()]),
 )
+# A history this long keeps every event of a program (each step makes a few hundred at most).
+WHOLE = 10**6
 DTYPES = ("uint8", "int16", "float32", "float64", "complex64", "bool")
 LOG: Path | None = None
 STACKS = None  # kept open for faulthandler
@@ -130,6 +134,10 @@ class MisuseMachine(RuleBasedStateMachine):
         self.ledger = Ledger()
         self.tags = itertools.count(1)
         self.synchronizations = (0, 0)
+        self.recording = 0  # the history's max_entries while one is recorded
+        self.recorded_from = 0  # the ledger's allocations when it started
+        self.whole = False
+        self.scratch = Path(tempfile.mkdtemp(prefix="gpupool-misuse-"))
 
     # ----- the model ---------------------------------------------------------------------------
 
@@ -494,6 +502,57 @@ class MisuseMachine(RuleBasedStateMachine):
         assert "Allocated memory" in summary
         self.pool.snapshot()
 
+    def reset_peaks(self):
+        log("reset_peak_memory_stats()")
+        self.pool.reset_peak_memory_stats()
+        stats = self.pool.memory_stats()
+        for key, value in stats.items():
+            if key.endswith(".peak"):
+                assert value == stats[key.removesuffix("peak") + "current"], f"{key} not reset"
+        assert self.pool.max_memory_allocated() == self.pool.memory_allocated()
+        assert self.pool.max_memory_reserved() == self.pool.memory_reserved()
+
+    def history(self, data, op):
+        """Recording on and off, resized, and dumped: whatever the pool did meanwhile, what it
+        dumps is a well-formed trace that replays without a failure and, while the record was
+        never short, holds every allocation made since it started."""
+        if op == "start":
+            entries = data.draw(st.one_of(st.integers(0, 64), st.just(WHOLE), st.integers(-(2**65), 2**70)))
+            log(f"record_history(max_entries={entries})")
+            try:
+                self.pool.record_history(max_entries=entries)
+            except OverflowError:
+                assert not 0 <= entries < 2**64
+                return
+            except ValueError as e:
+                assert entries == 0 and "max_entries" in str(e)
+                return
+            if not self.recording:
+                self.recorded_from = self.ledger.allocations
+            # Only a record that never held fewer than WHOLE entries still has every allocation.
+            self.whole = entries == WHOLE and (self.whole or not self.recording)
+            self.recording = entries
+        elif op == "stop":
+            log("record_history(enabled=False)")
+            self.pool.record_history(enabled=False)
+            self.recording = 0
+        else:
+            path = self.scratch / "history.csv"
+            log("dump_trace()")
+            try:
+                self.pool.dump_trace(path)
+            except ValueError as e:
+                assert not self.recording and "record_history" in str(e)
+                return
+            assert self.recording, "a history was dumped while none was recorded"
+            trace = gpupool.trace.load(path)
+            assert trace.allocations <= self.recording
+            if self.whole:
+                made = self.ledger.allocations - self.recorded_from
+                assert trace.allocations == made, f"{made} allocations, {trace.allocations} in the history"
+            result = gpupool.replay(trace)
+            assert result.ooms == 0 and result.peak_live_bytes == trace.peak_live_bytes
+
     # ----- threads -----------------------------------------------------------------------------
 
     @rule(seed=st.integers(0, 2**16), threads=st.integers(2, 4))
@@ -570,9 +629,13 @@ class MisuseMachine(RuleBasedStateMachine):
         elif op == "destroy" and len(self.streams) > 1:
             self.destroy_stream(data, data.draw(st.booleans()))
 
-    @rule(op=st.sampled_from(["synchronize", "empty_cache", "summaries"]))
+    @rule(op=st.sampled_from(["synchronize", "empty_cache", "summaries", "reset_peaks"]))
     def pool_op(self, op):
         getattr(self, op)()
+
+    @rule(data=st.data(), op=st.sampled_from(["start", "stop", "dump"]))
+    def history_op(self, data, op):
+        self.history(data, op)
 
     # ----- invariants --------------------------------------------------------------------------
 
@@ -631,6 +694,7 @@ class MisuseMachine(RuleBasedStateMachine):
         self.pool.synchronize()
         self.pool.empty_cache()
         self.pool.check_invariants()
+        shutil.rmtree(self.scratch, ignore_errors=True)
         assert self.pool.memory_reserved() == 0 and self.pool.device_memory_held() == 0, "memory leaked"
 
 
