@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 
+import gpupool
 from gpupool import cli
 
 SHARED_TRACES = pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
@@ -47,6 +48,19 @@ def test_prints_a_row_per_trace_and_config(capsys, trace_file):
     # Two segment allocations for three allocations: 666.7 device calls per 1000.
     assert lines[3].startswith("| small.csv | strategy:pytorch | 6 | 20.0 MiB | 32.0 MiB | 62.5% | 666.7 | 0 | ")
     assert len(lines) == 4
+
+
+def test_a_search_that_finds_no_capacity_says_so(capsys, trace_file):
+    # A millionth of the device: the pool would need a million times the trace's peak, beyond
+    # where the search gives up, which used to read as 17,592,186,044,416.0 MiB (2**64 bytes).
+    config = "strategy:pytorch,per_process_memory_fraction:0.000001"
+    result = gpupool.replay(str(trace_file), config, min_capacity=True)
+    assert result.min_capacity_bytes is None and result.min_capacity_utilization is None
+    assert cli.main(["replay", str(trace_file), "--min-capacity", "--config", config]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split(" | ")
+    assert row[-3:-1] == ["none found", ""], row
+    assert cli.main(["replay", str(trace_file), "--min-capacity", "--json", "--config", config]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["min_capacity_bytes"] is None
 
 
 def test_json_has_the_figures_in_bytes(capsys, trace_file):

@@ -88,9 +88,11 @@ def as_dict(result: ReplayResult) -> dict[str, Any]:
     }
 
 
-def table(results: Sequence[ReplayResult]) -> str:
-    """A Markdown table with one row per trace and configuration."""
-    with_min = any(r.min_capacity_bytes is not None for r in results)
+def table(results: Sequence[ReplayResult], with_min: bool | None = None) -> str:
+    """A Markdown table with one row per trace and configuration; ``with_min``: whether the
+    minimum capacity was searched for (by default, whether any result has one)."""
+    if with_min is None:
+        with_min = any(r.min_capacity_bytes is not None for r in results)
     header = ["trace", "config", "events", "peak live", "peak reserved", "utilization"]
     header += ["driver calls / 1k allocs", "OOMs"]
     header += ["min capacity", "utilization at min"] if with_min else []
@@ -101,7 +103,8 @@ def table(results: Sequence[ReplayResult]) -> str:
         row += [f"{r.utilization:.1%}", f"{r.device_calls_per_1k_allocs:.1f}", str(r.ooms)]
         if with_min:
             at_min = r.min_capacity_utilization
-            row += [_mib(r.min_capacity_bytes), "" if at_min is None else f"{at_min:.1%}"]
+            found = r.min_capacity_bytes is not None
+            row += [_mib(r.min_capacity_bytes) if found else "none found", "" if at_min is None else f"{at_min:.1%}"]
         row.append(f"{r.events_per_second / 1e6:.1f} M")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -161,6 +164,6 @@ def run(args: argparse.Namespace) -> None:
     finally:
         if progress:
             progress.close()
-    print(json.dumps([as_dict(r) for r in results], indent=2) if args.json else table(results))
+    print(json.dumps([as_dict(r) for r in results], indent=2) if args.json else table(results, args.min_capacity))
     if args.plot:
         plot(results, args.plot)

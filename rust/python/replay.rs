@@ -4,7 +4,9 @@ use super::device::{capacity_arg, open_device};
 use super::error::{pool_error, value_error};
 use super::trace::PyTrace;
 use crate::pool::{Config, Pool};
-use crate::trace::replay::{min_capacity as search_min_capacity, min_capacity_after, replay as run, Metrics, Timeline};
+use crate::trace::replay::{
+    min_capacity as search_min_capacity, min_capacity_after, replay as run, Metrics, Timeline, NONE_FITS,
+};
 use pyo3::prelude::*;
 
 /// Enough points for a plot as wide as a screen.
@@ -121,15 +123,18 @@ impl PyReplayResult {
         self.metrics.events_per_second()
     }
 
+    /// The smallest capacity that runs the trace; `None` when not searched for, or when the
+    /// search found none (it gives up at about 7,500 times the unlimited peak reserved: a tiny
+    /// `per_process_memory_fraction`, say).
     #[getter]
     fn min_capacity_bytes(&self) -> Option<u64> {
-        self.min_capacity
+        self.min_capacity.filter(|&c| c != NONE_FITS)
     }
 
     /// The trace's peak live bytes over the smallest capacity that fits it.
     #[getter]
     fn min_capacity_utilization(&self) -> Option<f64> {
-        self.min_capacity.map(|c| self.metrics.peak_live_bytes as f64 / c.max(1) as f64)
+        self.min_capacity_bytes().map(|c| self.metrics.peak_live_bytes as f64 / c.max(1) as f64)
     }
 
     /// `(event_index, reserved_bytes, live_bytes)`: each point is the highest value over the

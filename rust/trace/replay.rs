@@ -249,7 +249,7 @@ pub fn min_capacity_after(
 /// bytes of an unlimited replay, but a pool whose limit follows the capacity (a memory
 /// fraction) or whose segments do (strategies that size them by what is left) may need more,
 /// so that bound is replayed too and raised until it fits. The answer is always a capacity
-/// that was replayed; `u64::MAX` when none fits.
+/// that was replayed; [`NONE_FITS`] when none fits.
 pub fn bisect_capacity(
     mut fits_on: impl FnMut(u64) -> Result<bool, PoolError>,
     floor: u64,
@@ -261,7 +261,7 @@ pub fn bisect_capacity(
     while !fits_on(fits)? {
         raises += 1;
         if raises > MAX_RAISES {
-            return Ok(u64::MAX);
+            return Ok(NONE_FITS);
         }
         fits = fits.saturating_add((fits / 4).max(1));
     }
@@ -278,6 +278,9 @@ pub fn bisect_capacity(
     }
     Ok(fits)
 }
+
+/// What [`bisect_capacity`] answers when no capacity it tried fits.
+pub const NONE_FITS: u64 = u64::MAX;
 
 /// How many times [`bisect_capacity`] raises its upper bound by a quarter (x 1.25^40, about
 /// 7500) before it reports that no capacity fits.
