@@ -61,6 +61,22 @@ pub enum Released {
     Pending { id: u32, uses: u32, segment: SegmentId },
 }
 
+/// What free blocks count for in the inactive-split statistics (blocks, bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct InactiveShare {
+    pub blocks: u64,
+    pub bytes: u64,
+}
+
+impl InactiveShare {
+    pub const NONE: InactiveShare = InactiveShare { blocks: 0, bytes: 0 };
+
+    #[inline(always)]
+    pub fn plus(self, other: InactiveShare) -> InactiveShare {
+        InactiveShare { blocks: self.blocks + other.blocks, bytes: self.bytes + other.bytes }
+    }
+}
+
 /// A block as a snapshot sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockInfo {
@@ -373,13 +389,16 @@ impl Heap {
         } else {
             self.rules.should_split(kind, block.size, rounded)
         };
-        if !(split && self.split_in_place(id, rounded)) {
+        let before = self.inactive_share(id);
+        let mut tail = if split { self.split_in_place(id, rounded) } else { NIL };
+        if tail == NIL {
             self.bin_remove(id);
-            self.uncount_inactive(id);
             if split {
-                self.split(id, rounded);
+                tail = self.split(id, rounded);
             }
         }
+        let after = if tail == NIL { InactiveShare::NONE } else { self.inactive_share(tail) };
+        self.change_inactive(kind, before, after);
         let block = &mut self.blocks[id as usize];
         block.state = BlockState::Allocated;
         block.requested = requested;
@@ -422,41 +441,41 @@ impl Heap {
     /// Cuts binned free block `id` to `size` bytes; both pieces stay free and binned, with its
     /// owner. Returns the second piece.
     fn split_free(&mut self, id: u32, size: u64) -> u32 {
+        let (kind, before) = (self.blocks[id as usize].kind, self.inactive_share(id));
         self.bin_remove(id);
-        self.uncount_inactive(id);
-        self.split(id, size);
+        let tail = self.split(id, size);
         self.bin_insert(id);
-        self.count_inactive(id);
-        self.blocks[id as usize].next
+        let after = self.inactive_share(id).plus(self.inactive_share(tail));
+        self.change_inactive(kind, before, after);
+        tail
     }
 
     /// Splits binned free block `id` for an allocation of its first `size` bytes, leaving the
-    /// heap as `bin_remove`, `uncount_inactive` and [`Heap::split`] would, when the tail stays
-    /// in the block's bin and the block is the first of it: the tail then just takes the
-    /// block's place at the front of the list, and no bitmap changes. Returns false, changing
-    /// nothing, otherwise.
+    /// heap as `bin_remove` and [`Heap::split`] would, when the tail stays in the block's bin
+    /// and the block is the first of it: the tail then just takes the block's place at the
+    /// front of the list, and no bitmap changes. Returns the tail, or NIL, changing nothing,
+    /// otherwise. The caller updates the inactive-split statistics.
     #[inline(always)]
-    fn split_in_place(&mut self, id: u32, size: u64) -> bool {
+    fn split_in_place(&mut self, id: u32, size: u64) -> u32 {
         let b = &self.blocks[id as usize];
         let bin = bin_index(b.size);
         if b.bin_prev != NIL || bin_index(b.size - size) != bin {
-            return false;
+            return NIL;
         }
         let (stream, kind) = (b.stream, b.kind);
-        self.uncount_inactive(id);
         let tail = self.cut(id, size);
         let (bins, blocks) = self.bins_of(stream, kind);
         bins.replace_first(blocks, bin, id, tail);
-        self.count_inactive(tail);
-        true
+        tail
     }
 
-    /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner.
+    /// Cuts block `id` to `size` bytes; the tail stays free, with the same owner, and is
+    /// returned. The caller updates the inactive-split statistics.
     #[inline(always)]
-    fn split(&mut self, id: u32, size: u64) {
+    fn split(&mut self, id: u32, size: u64) -> u32 {
         let tail = self.cut(id, size);
         self.bin_insert(tail);
-        self.count_inactive(tail);
+        tail
     }
 
     /// Cuts block `id` to `size` bytes and links the rest after it as a new free block, with
@@ -577,17 +596,18 @@ impl Heap {
             let epoch = e.current;
             self.blocks[id as usize].epoch = epoch;
         }
-        self.coalesce_and_bin(id);
+        self.coalesce_and_bin(id, InactiveShare::NONE);
     }
 
     /// Merges free, unbinned block `id` with free neighbours of the same owner, or shared ones
     /// (which become the block's owner's: stricter, so still safe), then bins the result.
     /// A shared block never absorbs a stream's block: that would hide the stream's block from
-    /// its owner's bins for nothing.
+    /// its owner's bins for nothing. `before` is what `id` counted as inactive split before it
+    /// was unbinned: as in PyTorch, the statistics take the operation's net change, once.
     #[inline(always)]
-    pub(super) fn coalesce_and_bin(&mut self, mut id: u32) {
-        let owner = self.blocks[id as usize].stream;
-        if self.merge_next_in_place(id, owner) {
+    pub(super) fn coalesce_and_bin(&mut self, mut id: u32, mut before: InactiveShare) {
+        let (owner, kind) = (self.blocks[id as usize].stream, self.blocks[id as usize].kind);
+        if self.merge_next_in_place(id, owner, before) {
             return;
         }
         // Loops, not ifs: absorbing a shared neighbour can expose another block of this owner
@@ -597,7 +617,7 @@ impl Heap {
             if next == NIL || !self.mergeable(owner, next) {
                 break;
             }
-            self.unbin_free_neighbour(next);
+            before = before.plus(self.unbin_free_neighbour(next));
             self.absorb_next(id, owner);
         }
         loop {
@@ -605,12 +625,13 @@ impl Heap {
             if prev == NIL || !self.mergeable(owner, prev) {
                 break;
             }
-            self.unbin_free_neighbour(prev);
+            before = before.plus(self.unbin_free_neighbour(prev));
             self.absorb_next(prev, owner);
             id = prev;
         }
         self.bin_insert(id);
-        self.count_inactive(id);
+        let after = self.inactive_share(id);
+        self.change_inactive(kind, before, after);
     }
 
     /// The common free: block `id`'s only free neighbour is the next one, which belongs to
@@ -619,7 +640,7 @@ impl Heap {
     /// but `id` just takes the neighbour's place in the list. Returns false, changing nothing,
     /// otherwise.
     #[inline(always)]
-    fn merge_next_in_place(&mut self, id: u32, owner: u32) -> bool {
+    fn merge_next_in_place(&mut self, id: u32, owner: u32, before: InactiveShare) -> bool {
         let b = &self.blocks[id as usize];
         let (prev, next, size, kind, segment) = (b.prev, b.next, b.size, b.kind, b.segment);
         if next == NIL || (prev != NIL && self.mergeable(owner, prev)) {
@@ -634,7 +655,7 @@ impl Heap {
         if after != NIL && self.mergeable(owner, after) {
             return false;
         }
-        self.uncount_inactive(next);
+        let before = before.plus(self.inactive_share(next));
         let block = &mut self.blocks[id as usize];
         block.size += next_size;
         block.next = after;
@@ -652,18 +673,29 @@ impl Heap {
                 seg.idle_since = clock;
             }
         }
-        self.count_inactive(id);
+        let after = self.inactive_share(id);
+        self.change_inactive(kind, before, after);
         true
     }
 
-    /// Adds free block `id` to the inactive-split statistics if it counts there.
+    /// What free block `id` counts for in the inactive-split statistics.
     #[inline(always)]
-    fn count_inactive(&mut self, id: u32) {
+    pub(super) fn inactive_share(&self, id: u32) -> InactiveShare {
         let b = &self.blocks[id as usize];
         if b.is_inactive_split() {
-            self.stats.increase(Metric::InactiveSplit, b.kind, 1);
-            self.stats.increase(Metric::InactiveSplitBytes, b.kind, b.size);
+            InactiveShare { blocks: 1, bytes: b.size }
+        } else {
+            InactiveShare::NONE
         }
+    }
+
+    /// Applies one operation's net change of the inactive-split statistics, as PyTorch does
+    /// (`free_block`, `alloc_found_block`): their `allocated` and `freed` sum net changes, so a
+    /// block that is shrunk or grown is not counted as one removed and another added.
+    #[inline(always)]
+    fn change_inactive(&mut self, kind: PoolKind, before: InactiveShare, after: InactiveShare) {
+        self.stats.change(Metric::InactiveSplit, kind, before.blocks, after.blocks);
+        self.stats.change(Metric::InactiveSplitBytes, kind, before.bytes, after.bytes);
     }
 
     /// Removes free block `id` from the inactive-split statistics if it counted there.
@@ -688,11 +720,12 @@ impl Heap {
         self.absorb_shared = false;
     }
 
-    /// Takes a free neighbour out of its bin and the statistics before it is merged.
+    /// Takes a free neighbour out of its bin before it is merged; returns what it counted as
+    /// inactive split.
     #[inline(always)]
-    fn unbin_free_neighbour(&mut self, id: u32) {
-        self.uncount_inactive(id);
+    fn unbin_free_neighbour(&mut self, id: u32) -> InactiveShare {
         self.bin_remove(id);
+        self.inactive_share(id)
     }
 
     /// Merges the block after `id` into `id`; both are out of the bins. The result belongs to

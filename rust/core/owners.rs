@@ -50,16 +50,11 @@ impl Heap {
             if b.segment == NIL || b.state != BlockState::Free || b.stream != stream || b.epoch > epoch {
                 continue;
             }
-            self.unbin_counted(id);
+            let before = self.inactive_share(id);
+            self.bin_remove(id);
             self.blocks[id as usize].stream = SHARED;
-            self.coalesce_and_bin(id);
+            self.coalesce_and_bin(id, before);
         }
-    }
-
-    /// Unbins a free block and takes it out of the inactive-split count (re-added on binning).
-    fn unbin_counted(&mut self, id: u32) {
-        self.uncount_inactive(id);
-        self.bin_remove(id);
     }
 
     /// A destroyed stream's blocks are safe for everyone (it was synchronized first).

@@ -161,6 +161,17 @@ impl Stats {
         self.table[metric as usize].kinds[kind.index()].decrease(amount);
     }
 
+    /// Moves a counter from `from` to `to` in one step: an increase or a decrease of the
+    /// difference, as PyTorch applies an operation's net change.
+    #[inline(always)]
+    pub fn change(&mut self, metric: Metric, kind: PoolKind, from: u64, to: u64) {
+        if to > from {
+            self.increase(metric, kind, to - from);
+        } else if from > to {
+            self.decrease(metric, kind, from - to);
+        }
+    }
+
     pub fn reset_peaks(&mut self) {
         for row in &mut self.table {
             for counter in &mut row.kinds {

@@ -1,0 +1,81 @@
+"""Statistics against PyTorch's accounting (c10/cuda/CUDACachingAllocator.cpp): which operation
+moves which counter, and by how much."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+import gpupool
+from pool_checks import EXAMPLES_SCALE, POOL_KINDS, STRATEGIES, MiB
+
+INACTIVE = ("inactive_split", "inactive_split_bytes")
+
+
+def totals(pool, names=INACTIVE) -> dict[str, int]:
+    stats = pool.memory_stats()
+    return {f"{n}.{k}.{f}": stats[f"{n}.{k}.{f}"] for n in names for k in POOL_KINDS for f in ("allocated", "freed")}
+
+
+def test_inactive_split_totals_follow_pytorch_on_a_small_segment():
+    # PyTorch's alloc_found_block: shrinking an already split free block decreases its bytes,
+    # it does not remove one block and add another; free_block applies the net change of a
+    # free and its merges once.
+    pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch")
+    a = pool.alloc(512)  # the fresh 2 MiB segment splits: a new inactive split block
+    b = pool.alloc(512)  # that block shrinks by 512 B
+    a.free()  # a is a free piece of a split segment: +1 block, +512 B
+    b.free()  # b merges with a and the tail: the segment is whole, no inactive split left
+    tail = 2 * MiB - 1024
+    assert totals(pool) == {
+        "inactive_split.all.allocated": 2,
+        "inactive_split.all.freed": 2,
+        "inactive_split.small_pool.allocated": 2,
+        "inactive_split.small_pool.freed": 2,
+        "inactive_split.large_pool.allocated": 0,
+        "inactive_split.large_pool.freed": 0,
+        "inactive_split_bytes.all.allocated": 2 * MiB,
+        "inactive_split_bytes.all.freed": 512 + 512 + tail,
+        "inactive_split_bytes.small_pool.allocated": 2 * MiB,
+        "inactive_split_bytes.small_pool.freed": 512 + 512 + tail,
+        "inactive_split_bytes.large_pool.allocated": 0,
+        "inactive_split_bytes.large_pool.freed": 0,
+    }
+
+
+SIZES = st.one_of(st.integers(1, 64 * 1024), st.integers(1, 3 * MiB), st.integers(1, 24 * MiB))
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), SIZES),
+        st.tuples(st.just("free"), st.integers(0, 1 << 16)),
+    ),
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@settings(max_examples=40 * EXAMPLES_SCALE)
+@given(ops=OPS)
+def test_inactive_split_totals_sum_each_operations_net_change(strategy, ops):
+    # Every alloc and free on one stream is one change of the inactive-split counters in
+    # PyTorch, applied as a net increase or decrease: `allocated` grows by exactly the rise of
+    # `current` and `freed` by its fall.
+    pool = gpupool.Pool("sim", capacity="4GiB", config=f"strategy:{strategy}")
+    live = []
+    expected = totals(pool)
+    stats = pool.memory_stats()
+    for op, arg in ops:
+        if op == "alloc":
+            live.append(pool.alloc(arg))
+        elif live:
+            live.pop(arg % len(live)).free()
+        after = pool.memory_stats()
+        for name in INACTIVE:
+            for kind in POOL_KINDS:
+                key = f"{name}.{kind}."
+                change = after[key + "current"] - stats[key + "current"]
+                expected[key + "allocated"] += max(change, 0)
+                expected[key + "freed"] += max(-change, 0)
+        assert totals(pool) == expected, (op, arg)
+        stats = after
