@@ -165,7 +165,9 @@ class Ledger:
 def check_pool(pool, live: Iterable, pending: int = 0, ledger: Ledger | None = None) -> None:
     """Asserts that the pool's own check, its snapshot and its statistics agree with ``live``
     (the allocations a test holds), ``pending`` (bytes of blocks freed but still active: waiting
-    on other streams or held for exports) and, if given, the ``ledger`` of what the test did."""
+    on other streams or held for exports) and, if given, the ``ledger`` of what the test did.
+    As in PyTorch, a pending block's request counts in ``requested_bytes`` until its free
+    completes."""
     pool.check_invariants()
     live = [ptr for ptr in live if ptr.size > 0]
     rules = rules_of(pool)
@@ -174,7 +176,11 @@ def check_pool(pool, live: Iterable, pending: int = 0, ledger: Ledger | None = N
     _check_live(rules, segments, live)
     _check_stats(pool, rules, segments, live, pending)
     if ledger is not None:
-        _check_ledger(pool.memory_stats(), ledger)
+        _check_ledger(pool.memory_stats(), ledger, _pending_requested(segments))
+
+
+def _pending_requested(segments: list[dict]) -> int:
+    return sum(b["requested_size"] for s in segments for b in s["blocks"] if b["state"] == "active_pending_free")
 
 
 def check_watermark(pool) -> None:
@@ -217,7 +223,9 @@ def _check_segments(rules: SizeRules, segments: list[dict]) -> None:
         assert address == end_of_previous, f"blocks do not tile segment {segment['address']:#x}"
         in_use = [b for b in blocks if b["state"] == "active_allocated"]
         assert segment["allocated_size"] == sum(b["size"] for b in in_use)
-        assert segment["requested_size"] == sum(b["requested_size"] for b in in_use)
+        active = [b for b in blocks if b["state"] != "inactive"]
+        assert segment["requested_size"] == sum(b["requested_size"] for b in active)
+        assert all(b["requested_size"] == 0 for b in blocks if b["state"] == "inactive")
 
 
 def _check_live(rules: SizeRules, segments: list[dict], live: list) -> None:
@@ -248,7 +256,8 @@ def _check_live(rules: SizeRules, segments: list[dict], live: list) -> None:
 
 def _check_stats(pool, rules: SizeRules, segments: list[dict], live: list, pending: int) -> None:
     stats = pool.memory_stats()
-    assert stats["requested_bytes.all.current"] == sum(ptr.size for ptr in live)
+    live_requested = sum(ptr.size for ptr in live)
+    assert stats["requested_bytes.all.current"] == live_requested + _pending_requested(segments)
     assert stats["allocation.all.current"] == len(live)
     allocated = sum(s["allocated_size"] for s in segments)
     assert pool.memory_allocated() == allocated == stats["allocated_bytes.all.current"]
@@ -279,11 +288,11 @@ def _check_stats(pool, rules: SizeRules, segments: list[dict], live: list, pendi
     _check_counters(stats)
 
 
-def _check_ledger(stats: dict[str, int], ledger: Ledger) -> None:
+def _check_ledger(stats: dict[str, int], ledger: Ledger, pending_requested: int) -> None:
     assert stats["allocation.all.allocated"] == ledger.allocations
     assert stats["allocation.all.freed"] == ledger.frees
     assert stats["requested_bytes.all.allocated"] == ledger.requested_in
-    assert stats["requested_bytes.all.freed"] == ledger.requested_out
+    assert stats["requested_bytes.all.freed"] == ledger.requested_out - pending_requested
 
 
 def _check_counters(stats: dict[str, int]) -> None:

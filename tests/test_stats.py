@@ -79,3 +79,31 @@ def test_inactive_split_totals_sum_each_operations_net_change(strategy, ops):
                 expected[key + "freed"] += max(-change, 0)
         assert totals(pool) == expected, (op, arg)
         stats = after
+
+
+def test_a_pending_free_keeps_its_request_counted_until_it_completes():
+    # PyTorch decreases requested_bytes in free_block, with active_bytes: a block whose free
+    # waits on another stream's events is still active, request included, and the snapshot's
+    # segment requested_size sums the requests of active blocks.
+    pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch")
+    side = pool.stream()
+    ptr = pool.alloc(1000)
+    ptr.record_stream(side)
+    side.hold()
+    ptr.free()
+    stats = pool.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 0
+    assert stats["active_bytes.all.current"] == 1024
+    assert stats["requested_bytes.all.current"] == 1000
+    assert stats["requested_bytes.all.freed"] == 0
+    (segment,) = pool.snapshot()["segments"]
+    assert segment["requested_size"] == 1000
+    assert segment["blocks"][0]["state"] == "active_pending_free"
+    assert segment["blocks"][0]["requested_size"] == 1000
+    side.synchronize()
+    pool.synchronize()
+    stats = pool.memory_stats()
+    assert stats["active_bytes.all.current"] == 0
+    assert stats["requested_bytes.all.current"] == 0
+    assert stats["requested_bytes.all.freed"] == 1000
+    assert pool.snapshot()["segments"][0]["requested_size"] == 0

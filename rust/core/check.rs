@@ -41,13 +41,13 @@ impl Heap {
                     BlockState::Allocated => {
                         recount.increase(Metric::Allocation, seg.kind, 1);
                         recount.increase(Metric::AllocatedBytes, seg.kind, b.size);
-                        recount.increase(Metric::RequestedBytes, seg.kind, b.requested);
                     }
                     BlockState::Pending => {}
                 }
                 if b.state != BlockState::Free {
                     recount.increase(Metric::Active, seg.kind, 1);
                     recount.increase(Metric::ActiveBytes, seg.kind, b.size);
+                    recount.increase(Metric::RequestedBytes, seg.kind, b.requested);
                 }
                 expected_address = b.end();
                 prev = id;

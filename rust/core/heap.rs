@@ -536,16 +536,15 @@ impl Heap {
         Ok(())
     }
 
-    /// Ends an allocation: the user no longer holds the block.
+    /// Ends an allocation: the user no longer holds the block. Its requested bytes stay counted
+    /// while it is active, as PyTorch's do until `free_block`.
     #[inline(always)]
     fn end_allocation(&mut self, handle: Handle) -> Result<u32, HeapError> {
         let b = self.block(handle)?;
-        let (size, requested, kind) = (b.size, b.requested, b.kind);
+        let (size, kind) = (b.size, b.kind);
         self.stats.decrease(Metric::Allocation, kind, 1);
         self.stats.decrease(Metric::AllocatedBytes, kind, size);
-        self.stats.decrease(Metric::RequestedBytes, kind, requested);
         let block = &mut self.blocks[handle.index as usize];
-        block.requested = 0;
         block.generation = block.generation.wrapping_add(1);
         Ok(handle.index)
     }
@@ -585,11 +584,13 @@ impl Heap {
     #[inline(always)]
     fn make_free(&mut self, id: u32) {
         let block = &mut self.blocks[id as usize];
-        let (kind, size, stream) = (block.kind, block.size, block.stream);
+        let (kind, size, stream, requested) = (block.kind, block.size, block.stream, block.requested);
         block.state = BlockState::Free;
         block.uses = 0;
+        block.requested = 0;
         self.stats.decrease(Metric::Active, kind, 1);
         self.stats.decrease(Metric::ActiveBytes, kind, size);
+        self.stats.decrease(Metric::RequestedBytes, kind, requested);
         if stream != SHARED {
             let e = self.epoch_mut(stream);
             e.unfenced = true;

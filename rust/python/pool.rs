@@ -379,14 +379,13 @@ impl PyPool {
                 block.set_item("state", block_state(b.state))?;
                 block.set_item("frames", PyList::empty(py))?;
                 blocks.append(block)?;
-                match b.state {
-                    BlockState::Allocated => {
-                        allocated += b.size;
-                        active += b.size;
-                        requested += b.requested;
-                    }
-                    BlockState::Pending => active += b.size,
-                    BlockState::Free => {}
+                // As PyTorch's: a block pending free is active and still counts its request.
+                if b.state == BlockState::Allocated {
+                    allocated += b.size;
+                }
+                if b.state != BlockState::Free {
+                    active += b.size;
+                    requested += b.requested;
                 }
             }
             let d = PyDict::new(py);
