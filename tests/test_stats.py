@@ -107,3 +107,52 @@ def test_a_pending_free_keeps_its_request_counted_until_it_completes():
     assert stats["requested_bytes.all.current"] == 0
     assert stats["requested_bytes.all.freed"] == 1000
     assert pool.snapshot()["segments"][0]["requested_size"] == 0
+
+
+def test_oversize_counters_follow_max_split_size():
+    # PyTorch: an allocation of a block >= max_split_size counts in oversize_allocations until
+    # its free is requested; a cudaMalloc'd segment that big in oversize_segments until
+    # released.
+    pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch,max_split_size_mb:40")
+    big = pool.alloc(64 * MiB)
+    small = pool.alloc(8 * MiB)  # a 20 MiB segment, split: neither is oversize
+    stats = pool.memory_stats()
+    assert (stats["oversize_allocations.current"], stats["oversize_segments.current"]) == (1, 1)
+    assert (
+        "|       1    |       1    |       1    |       0    |"
+        in pool.memory_summary().split("Oversize allocations")[1]
+    )
+    big.free()
+    small.free()
+    stats = pool.memory_stats()
+    assert (stats["oversize_allocations.current"], stats["oversize_allocations.freed"]) == (0, 1)
+    assert stats["oversize_segments.current"] == 1  # cached
+    pool.reset_peak_memory_stats()
+    pool.empty_cache()
+    stats = pool.memory_stats()
+    assert stats["oversize_allocations.peak"] == 0
+    assert (stats["oversize_segments.current"], stats["oversize_segments.peak"]) == (0, 1)
+    assert (stats["oversize_segments.allocated"], stats["oversize_segments.freed"]) == (1, 1)
+
+
+def test_without_max_split_size_nothing_is_oversize():
+    pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch")
+    pool.alloc(512 * MiB)
+    stats = pool.memory_stats()
+    assert stats["oversize_allocations.allocated"] == stats["oversize_segments.allocated"] == 0
+
+
+def test_num_sync_all_streams_counts_empty_cache_and_the_out_of_memory_path():
+    # PyTorch's synchronize_and_free_events, called by release_cached_blocks: emptyCache and
+    # the out-of-memory path's last retry; a plain synchronize does not count.
+    pool = gpupool.Pool("sim", capacity="64MiB", config="strategy:pytorch")
+    assert pool.memory_stats()["num_sync_all_streams"] == 0
+    pool.synchronize()
+    pool.empty_cache()
+    assert pool.memory_stats()["num_sync_all_streams"] == 1
+    held = pool.alloc(40 * MiB)
+    with pytest.raises(gpupool.OutOfMemoryError):
+        pool.alloc(40 * MiB)
+    stats = pool.memory_stats()
+    assert (stats["num_sync_all_streams"], stats["num_alloc_retries"], stats["num_ooms"]) == (2, 1, 1)
+    held.free()

@@ -18,6 +18,9 @@ impl Heap {
             let Some(seg) = seg else { continue };
             recount.increase(Metric::Segment, seg.kind, if seg.expandable { u64::from(seg.runs) } else { 1 });
             recount.increase(Metric::ReservedBytes, seg.kind, seg.mapped);
+            if !seg.expandable && seg.size >= self.rules.max_split_size {
+                recount.note_oversize(false, true);
+            }
             let (mut expected_address, mut prev, mut prev_owner) = (seg.address, super::NIL, None);
             for (id, b) in self.blocks_of(seg) {
                 if b.segment != sid as u32 || b.prev != prev || b.kind != seg.kind {
@@ -41,6 +44,9 @@ impl Heap {
                     BlockState::Allocated => {
                         recount.increase(Metric::Allocation, seg.kind, 1);
                         recount.increase(Metric::AllocatedBytes, seg.kind, b.size);
+                        if b.size >= self.rules.max_split_size {
+                            recount.note_oversize(true, true);
+                        }
                     }
                     BlockState::Pending => {}
                 }

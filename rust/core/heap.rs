@@ -283,6 +283,10 @@ impl Heap {
         // An expandable range counts as segments only as pages get mapped (`note_mapped`).
         self.stats.increase(Metric::Segment, kind, u64::from(!expandable));
         self.stats.increase(Metric::ReservedBytes, kind, mapped);
+        // PyTorch counts plain segments only (`alloc_block`), not expandable ranges.
+        if !expandable && size >= self.rules.max_split_size {
+            self.stats.note_oversize(false, true);
+        }
         sid
     }
 
@@ -410,6 +414,9 @@ impl Heap {
         self.stats.increase(Metric::AllocatedBytes, kind, size);
         self.stats.increase(Metric::ActiveBytes, kind, size);
         self.stats.increase(Metric::RequestedBytes, kind, requested);
+        if size >= self.rules.max_split_size {
+            self.stats.note_oversize(true, true);
+        }
         (Handle { index: id, generation }, address)
     }
 
@@ -544,6 +551,9 @@ impl Heap {
         let (size, kind) = (b.size, b.kind);
         self.stats.decrease(Metric::Allocation, kind, 1);
         self.stats.decrease(Metric::AllocatedBytes, kind, size);
+        if size >= self.rules.max_split_size {
+            self.stats.note_oversize(true, false);
+        }
         let block = &mut self.blocks[handle.index as usize];
         block.generation = block.generation.wrapping_add(1);
         Ok(handle.index)
@@ -784,6 +794,9 @@ impl Heap {
         self.unused_segments.push(sid);
         self.stats.decrease(Metric::Segment, seg.kind, if seg.expandable { u64::from(seg.runs) } else { 1 });
         self.stats.decrease(Metric::ReservedBytes, seg.kind, seg.mapped);
+        if !seg.expandable && seg.size >= self.rules.max_split_size {
+            self.stats.note_oversize(false, false);
+        }
         (seg.address, seg.size)
     }
 

@@ -133,8 +133,15 @@ impl Row {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     table: [Row; 9],
+    /// PyTorch's two single counters (no per-pool views): allocations and plain segments of
+    /// `max_split_size` or more.
+    oversize_allocations: Counter,
+    oversize_segments: Counter,
     pub num_alloc_retries: u64,
     pub num_ooms: u64,
+    /// Waits for every stream before returning cached memory (`empty_cache`, the
+    /// out-of-memory path), as PyTorch's `synchronize_and_free_events` counts them.
+    pub num_sync_all_streams: u64,
     pub num_device_alloc: u64,
     pub num_device_free: u64,
     /// Page-range map and unmap calls of expandable segments.
@@ -172,12 +179,35 @@ impl Stats {
         }
     }
 
+    /// An allocation (`allocation: true`) or plain segment of `max_split_size` or more began
+    /// (`began: true`) or ended.
+    #[inline(always)]
+    pub fn note_oversize(&mut self, allocation: bool, began: bool) {
+        let counter = if allocation { &mut self.oversize_allocations } else { &mut self.oversize_segments };
+        if began {
+            counter.increase(1);
+        } else {
+            counter.decrease(1);
+        }
+    }
+
+    pub fn oversize_allocations(&self) -> Stat {
+        self.oversize_allocations.view()
+    }
+
+    pub fn oversize_segments(&self) -> Stat {
+        self.oversize_segments.view()
+    }
+
     pub fn reset_peaks(&mut self) {
         for row in &mut self.table {
             for counter in &mut row.kinds {
                 counter.peak = counter.current;
             }
             row.all_peak = row.all_current();
+        }
+        for counter in [&mut self.oversize_allocations, &mut self.oversize_segments] {
+            counter.peak = counter.current;
         }
     }
 
@@ -194,8 +224,17 @@ impl Stats {
                 out.push((format!("{prefix}.freed"), s.freed));
             }
         }
+        for (name, s) in
+            [("oversize_allocations", self.oversize_allocations()), ("oversize_segments", self.oversize_segments())]
+        {
+            out.push((format!("{name}.current"), s.current));
+            out.push((format!("{name}.peak"), s.peak));
+            out.push((format!("{name}.allocated"), s.allocated));
+            out.push((format!("{name}.freed"), s.freed));
+        }
         out.push(("num_alloc_retries".into(), self.num_alloc_retries));
         out.push(("num_ooms".into(), self.num_ooms));
+        out.push(("num_sync_all_streams".into(), self.num_sync_all_streams));
         out.push(("num_device_alloc".into(), self.num_device_alloc));
         out.push(("num_device_free".into(), self.num_device_free));
         out.push(("num_device_map".into(), self.num_device_map));
@@ -206,7 +245,8 @@ impl Stats {
     }
 
     /// The `current` values only, for comparing against a recount.
-    pub fn currents(&self) -> [[u64; 3]; 9] {
-        self.table.map(|row| StatType::ALL.map(|of| row.view(of).current))
+    pub fn currents(&self) -> ([[u64; 3]; 9], [u64; 2]) {
+        let table = self.table.map(|row| StatType::ALL.map(|of| row.view(of).current));
+        (table, [self.oversize_allocations.current, self.oversize_segments.current])
     }
 }

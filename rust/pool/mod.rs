@@ -292,6 +292,7 @@ impl<D: Device> Pool<D> {
             }
         }
         self.synchronize()?;
+        self.heap.stats_mut().num_sync_all_streams += 1;
         self.release_cached()?;
         self.heap.stats_mut().num_alloc_retries += 1;
         // gpupool's pager places the retry where it needs the fewest new pages: now that every
@@ -492,6 +493,7 @@ impl<D: Device> Pool<D> {
     /// returns the bytes released.
     pub fn empty_cache(&mut self) -> Result<u64, PoolError> {
         self.synchronize()?;
+        self.heap.stats_mut().num_sync_all_streams += 1;
         self.release_cached()
     }
 
