@@ -82,3 +82,20 @@ def test_snapshot_marks_paged_segments_and_the_default_is_paged():
     [segment] = pool.snapshot()["segments"]
     assert segment["is_expandable"] is True
     assert pool.memory_reserved() == 20 * MiB, "one map call reaches 20 MiB ahead"
+
+
+@pytest.mark.parametrize("strategy", ["default", "expandable", "pages"])
+def test_max_split_size_keeps_requests_in_their_ranges(strategy):
+    # PyTorch's cap keeps small requests off oversize blocks; a range's free space is one such
+    # block, and passing over it used to reserve a new range (of twice the device) per request:
+    # 50 reservations for 50 tiny allocations, and out of memory with 56% of the device in use.
+    pool = gpupool.Pool("sim", capacity="1GiB", config=f"strategy:{strategy},max_split_size_mb:20")
+    live = [pool.alloc(100) for _ in range(50)]
+    live += [pool.alloc(30 * MiB) for _ in range(10)]
+    live += [pool.alloc(3 * MiB) for _ in range(50)]
+    stats = pool.memory_stats()
+    assert stats["num_driver_reserve"] == 2, "one range for each pool kind"
+    assert pool.memory_reserved() <= 1.05 * pool.memory_allocated() + 20 * MiB
+    for ptr in live:
+        ptr.free()
+    pool.check_invariants()

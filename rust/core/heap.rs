@@ -355,6 +355,14 @@ impl Heap {
         bins.find(&self.blocks, rounded, self.rules.max_block_for(rounded))
     }
 
+    /// [`Heap::find`] without the cap `max_split_size` puts on the blocks a request may use:
+    /// the free blocks of expandable ranges are address space, mapped or not, and PyTorch maps a
+    /// request's pages from its range's unmapped remainder whatever that remainder's size.
+    pub fn find_uncapped(&self, rounded: u64, owner: u32) -> Option<u32> {
+        let bins = &self.bins(owner)?[self.rules.kind(rounded).index()];
+        bins.find(&self.blocks, rounded, u64::MAX)
+    }
+
     /// [`Heap::find`] among the free blocks of pool `kind`, whichever kind the rules give
     /// `rounded`: a paged pool may place a small request in a large range.
     pub fn find_in(&self, kind: PoolKind, rounded: u64, owner: u32) -> Option<u32> {

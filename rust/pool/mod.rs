@@ -352,6 +352,14 @@ impl<D: Device> Pool<D> {
         let rules = self.heap.rules();
         let rounded = rules.round(size);
         let kind = rules.kind(rounded);
+        if self.expandable.is_some() {
+            // With `max_split_size` set the cached search passed over the ranges' free space (a
+            // block of it is as big as the range); map pages there before reserving a new range.
+            let free = self.heap.find_uncapped(rounded, stream).or_else(|| self.heap.find_uncapped(rounded, SHARED));
+            if let Some(id) = free {
+                return self.take_found(id, size, rounded, stream);
+            }
+        }
         if let Some(pages) = self.expandable.as_mut() {
             let segment = pages.grow(&mut self.device, &mut self.heap, kind, stream, rounded)?;
             let id = self.heap.segment_head(segment);
