@@ -90,7 +90,8 @@ impl Heap {
     /// Every binned block is free, in the bins of its owner and kind, exactly once; and every
     /// free block is binned.
     fn check_bins(&self, free_blocks: &HashSet<u32>) -> Result<(), String> {
-        let owners = (0..self.private.len()).map(|s| (s as u32, &self.private[s])).chain([(SHARED, &self.shared)]);
+        let private = self.private.iter().enumerate().filter_map(|(s, bins)| Some((s as u32, bins.as_deref()?)));
+        let owners = private.chain([(SHARED, &self.shared)]);
         let mut binned = HashSet::new();
         for (owner, pair) in owners {
             for kind in PoolKind::ALL {

@@ -106,8 +106,10 @@ pub struct Heap {
     pub(super) unused_blocks: Vec<u32>,
     pub(super) segments: Vec<Option<Segment>>,
     unused_segments: Vec<u32>,
-    /// Free blocks owned by each stream, then by pool kind.
-    pub(super) private: Vec<[Bins; 2]>,
+    /// Free blocks owned by each stream, then by pool kind; `None` for a stream that never
+    /// freed a block or was retired (its bins' tables are some KiB, and stream ids are not
+    /// reused, so a pool that makes and destroys streams must not keep them).
+    pub(super) private: Vec<Option<Box<[Bins; 2]>>>,
     /// Free blocks any stream may take, by pool kind.
     pub(super) shared: [Bins; 2],
     pub(super) epochs: Vec<Epoch>,
@@ -153,7 +155,7 @@ impl Heap {
         if owner == SHARED {
             Some(&self.shared)
         } else {
-            self.private.get(owner as usize)
+            self.private.get(owner as usize)?.as_deref()
         }
     }
 
@@ -173,7 +175,7 @@ impl Heap {
             if owner as usize >= self.private.len() {
                 self.private.resize_with(owner as usize + 1, Default::default);
             }
-            &mut self.private[owner as usize]
+            self.private[owner as usize].get_or_insert_with(Default::default)
         };
         bins[kind.index()].insert(&mut self.blocks, id);
     }
@@ -188,7 +190,11 @@ impl Heap {
     /// The bins of an owner that has free blocks, and the block slab (borrowed apart).
     #[inline(always)]
     fn bins_of(&mut self, owner: u32, kind: PoolKind) -> (&mut Bins, &mut [Block]) {
-        let bins = if owner == SHARED { &mut self.shared } else { &mut self.private[owner as usize] };
+        let bins = if owner == SHARED {
+            &mut self.shared
+        } else {
+            self.private[owner as usize].as_deref_mut().expect("a binned block's owner has bins")
+        };
         (&mut bins[kind.index()], &mut self.blocks)
     }
 

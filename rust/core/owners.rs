@@ -6,6 +6,7 @@
 //! block it freed so far) completes, those blocks become [`SHARED`]. Epochs tell which blocks a
 //! fence covers: each free takes its stream's current epoch, and a fence closes it.
 
+use super::bins::Bins;
 use super::block::{BlockState, NIL, SHARED};
 use super::heap::Heap;
 
@@ -41,7 +42,7 @@ impl Heap {
 
     /// A fence on `stream` covering `epoch` completed: its blocks freed up to then are shared.
     pub fn promote(&mut self, stream: u32, epoch: u32) {
-        let Some(bins) = self.private.get(stream as usize) else { return };
+        let Some(bins) = self.private.get(stream as usize).and_then(Option::as_deref) else { return };
         let members: Vec<u32> = bins.iter().flat_map(|b| b.members(&self.blocks)).collect();
         for id in members {
             // An earlier promotion in this loop may have merged this block away (its slot is then
@@ -57,11 +58,20 @@ impl Heap {
         }
     }
 
-    /// A destroyed stream's blocks are safe for everyone (it was synchronized first).
+    /// A destroyed stream's blocks are safe for everyone (it was synchronized first). Its bins,
+    /// now empty, are dropped: stream ids are never reused, so a pool that makes and destroys
+    /// streams would otherwise keep every one's tables.
     pub fn retire_stream(&mut self, stream: u32) {
         self.promote(stream, u32::MAX);
         if let Some(e) = self.epochs.get_mut(stream as usize) {
             e.unfenced = false;
+        }
+        if let Some(bins) = self.private.get_mut(stream as usize) {
+            debug_assert!(bins.as_ref().is_none_or(|b| b.iter().all(Bins::is_empty)), "promoted, so empty");
+            *bins = None;
+        }
+        while self.private.last().is_some_and(Option::is_none) {
+            self.private.pop();
         }
     }
 
@@ -105,5 +115,42 @@ impl Heap {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::{PoolKind, Rules};
+
+    /// Streams that freed a block and were destroyed keep no bins: each stream's bins hold
+    /// tables of some KiB, and a program that makes a stream per step makes millions of them.
+    #[test]
+    fn retired_streams_keep_no_bins() {
+        let mut heap = Heap::new(Rules::default());
+        let free_one = |heap: &mut Heap, stream: u32| {
+            let id = heap.find(512, stream).or_else(|| heap.find(512, SHARED));
+            let id = id.unwrap_or_else(|| {
+                let sid = heap.add_segment(u64::from(stream) << 24, 2 << 20, PoolKind::Small, stream);
+                heap.segment(sid).head
+            });
+            let (handle, _) = heap.take_block(id, 512, 512, stream);
+            heap.release(handle).unwrap();
+        };
+        // Stream 1 lives throughout; every later one frees a block and is destroyed, in turn
+        // and with the next one made before the last is destroyed.
+        free_one(&mut heap, 1);
+        for stream in 2..200 {
+            free_one(&mut heap, stream);
+            if stream > 2 {
+                heap.retire_stream(stream - 1);
+            }
+            heap.check_invariants().unwrap();
+            let with_bins: Vec<usize> =
+                heap.private.iter().enumerate().filter(|(_, b)| b.is_some()).map(|(s, _)| s).collect();
+            assert_eq!(with_bins, [1, stream as usize], "only live streams have bins");
+        }
+        heap.retire_stream(199);
+        assert_eq!(heap.private.len(), 2, "the retired streams above the live one are forgotten");
     }
 }
