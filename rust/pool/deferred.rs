@@ -186,8 +186,45 @@ impl Deferred {
         Ok(true)
     }
 
+    /// Drops the queues of destroyed stream `stream` (synchronized, so they are empty): stream
+    /// ids are never reused, and polling walks every queue.
+    pub fn forget_stream(&mut self, stream: StreamId) {
+        for queues in [&mut self.pending, &mut self.fences] {
+            if queues.get(&stream).is_some_and(VecDeque::is_empty) {
+                queues.remove(&stream);
+            }
+        }
+    }
+
     /// How many blocks wait on events, for cross-checking the heap.
     pub fn pending_blocks(&self) -> usize {
         self.remaining.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::device::Sim;
+    use crate::pool::{Config, Pool, DEFAULT_STREAM};
+
+    /// A destroyed stream leaves no queues behind, whether its blocks waited on events
+    /// (pending frees) or on fences.
+    #[test]
+    fn destroyed_streams_leave_no_queues() {
+        let mut pool = Pool::new(Sim::new(1 << 30), Config::default());
+        for _ in 0..100 {
+            let side = pool.create_stream().unwrap();
+            let a = pool.alloc_on(512, side).unwrap();
+            let b = pool.alloc_on(512, DEFAULT_STREAM).unwrap();
+            pool.record_stream(b.handle, side).unwrap();
+            pool.hold_stream(side).unwrap();
+            pool.free(a.handle).unwrap();
+            pool.free(b.handle).unwrap();
+            pool.synchronize().unwrap();
+            pool.destroy_stream(side).unwrap();
+            pool.check_invariants().unwrap();
+            let queued: Vec<_> = pool.deferred.pending.keys().chain(pool.deferred.fences.keys()).collect();
+            assert!(queued.iter().all(|&&s| s == DEFAULT_STREAM), "queues of destroyed streams: {queued:?}");
+        }
     }
 }

@@ -16,6 +16,7 @@ impl<D: Device> Pool<D> {
         self.device.synchronize_stream(stream)?;
         self.deferred.poll(&mut self.device, &mut self.heap, false)?;
         self.device.destroy_stream(stream)?;
+        self.deferred.forget_stream(stream);
         self.heap.retire_stream(stream);
         self.heap.hand_over(stream, DEFAULT_STREAM);
         Ok(())
