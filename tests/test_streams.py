@@ -256,6 +256,25 @@ def test_destroyed_stream_blocks_serve_other_streams():
     pool.check_invariants()
 
 
+def test_an_allocation_keeps_only_the_live_streams_it_was_used_on(pool):
+    # A pointer keeps the streams it was used on alive, and kept destroyed ones too: a weight
+    # recorded on a fresh stream per step held every step's Stream object until it was freed.
+    import sys
+
+    ptr = pool.alloc(MiB)
+    first = pool.stream()
+    ptr.record_stream(first)
+    first.destroy()
+    kept = sys.getrefcount(first)
+    for _ in range(3):
+        stream = pool.stream()
+        ptr.record_stream(stream)
+        stream.destroy()
+    assert sys.getrefcount(first) == kept - 1
+    ptr.free()
+    pool.check_invariants()
+
+
 def test_a_trace_of_many_streams_costs_memory_per_block_not_per_bin(tmp_path):
     # A pool keeps free-block bins per stream; each stream's bins used to take 13 KiB at once,
     # so a 50,000-stream trace (2 MiB of CSV) replayed in about 680 MiB. Bins now start empty.

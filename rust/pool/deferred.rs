@@ -186,14 +186,19 @@ impl Deferred {
         Ok(true)
     }
 
-    /// Drops the queues of destroyed stream `stream` (synchronized, so they are empty): stream
-    /// ids are never reused, and polling walks every queue.
+    /// Drops the queues of destroyed stream `stream` (synchronized, so they are empty), and its
+    /// uses of live blocks (no free need wait for it): stream ids are never reused, and polling
+    /// walks every queue.
     pub fn forget_stream(&mut self, stream: StreamId) {
         for queues in [&mut self.pending, &mut self.fences] {
             if queues.get(&stream).is_some_and(VecDeque::is_empty) {
                 queues.remove(&stream);
             }
         }
+        self.overflow_uses.retain(|_, streams| {
+            streams.retain(|&s| s != stream);
+            !streams.is_empty()
+        });
     }
 
     /// How many blocks wait on events, for cross-checking the heap.
@@ -226,5 +231,25 @@ mod tests {
             let queued: Vec<_> = pool.deferred.pending.keys().chain(pool.deferred.fences.keys()).collect();
             assert!(queued.iter().all(|&&s| s == DEFAULT_STREAM), "queues of destroyed streams: {queued:?}");
         }
+    }
+
+    /// A long-lived block used on many short-lived streams lists only the live ones among its
+    /// uses beyond its use mask.
+    #[test]
+    fn destroyed_streams_leave_no_uses() {
+        let mut pool = Pool::new(Sim::new(1 << 30), Config::default());
+        let low: Vec<_> = (0..40).map(|_| pool.create_stream().unwrap()).collect();
+        let a = pool.alloc_on(512, DEFAULT_STREAM).unwrap();
+        for _ in 0..100 {
+            let side = pool.create_stream().unwrap();
+            pool.record_stream(a.handle, side).unwrap();
+            pool.destroy_stream(side).unwrap();
+            let listed: Vec<_> = pool.deferred.overflow_streams().collect();
+            assert!(listed.is_empty(), "uses by destroyed streams: {listed:?}");
+        }
+        pool.record_stream(a.handle, low[39]).unwrap();
+        assert_eq!(pool.deferred.overflow_streams().collect::<Vec<_>>(), [low[39]]);
+        pool.free(a.handle).unwrap();
+        pool.check_invariants().unwrap();
     }
 }

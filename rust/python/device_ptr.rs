@@ -134,6 +134,8 @@ impl PyDevicePtr {
             pool.record_stream(handle, id).map_err(pool_error)
         })?;
         let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        // A long-lived allocation used on many short-lived streams keeps only the live ones.
+        streams.retain(|s| !s.get().is_destroyed());
         if !streams.iter().any(|s| s.is(stream)) {
             streams.push(stream.clone().unbind());
         }

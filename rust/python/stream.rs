@@ -34,6 +34,11 @@ impl PyStream {
         self.live_id()
     }
 
+    /// Whether `destroy()` destroyed it: then nothing needs it kept alive.
+    pub fn is_destroyed(&self) -> bool {
+        self.destroyed.load(Ordering::Acquire)
+    }
+
     fn live_id(&self) -> PyResult<StreamId> {
         if self.destroyed.load(Ordering::Acquire) {
             return Err(value_error(format!("stream {} was destroyed", self.id)));
