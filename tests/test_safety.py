@@ -303,6 +303,37 @@ def test_held_bytes_whose_release_failed_come_back_at_the_next_synchronize(fault
     pool.check_invariants()
 
 
+# The refused free is reported as CPython does in destructors.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(
+    "faults",
+    [
+        {"nth": 1, "calls": ["record_event"]},
+        {"probability": 0.5, "seed": 0, "calls": ["record_event", "synchronize"]},
+        {"nth": 1, "effect": "panic", "calls": ["record_event"]},
+    ],
+)
+def test_a_pointer_dropped_while_the_device_refuses_its_free_is_not_leaked(faults):
+    # A refused free changes nothing so that it can be retried, but a pointer being destroyed
+    # has no one left to retry it: its block stayed allocated for the life of the pool.
+    pool = gpupool.Pool("host", inject_faults=faults)
+    side = pool.stream()
+    ptr = pool.alloc(MiB)
+    ptr.record_stream(side)
+    side.hold()
+    del ptr  # the device refuses the event the free needs on the busy side stream
+    for _ in range(50):  # until the device works again
+        try:
+            pool.empty_cache()
+            break
+        except RuntimeError:
+            pass
+    assert pool.memory_allocated() == 0
+    assert pool.memory_stats()["active_bytes.all.current"] == 0
+    assert pool.memory_reserved() == 0 and pool.device_memory_held() == 0
+    pool.check_invariants()
+
+
 def test_a_forked_child_uses_idle_pools_and_refuses_busy_ones_without_hanging():
     out = run_child(
         """

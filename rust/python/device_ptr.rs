@@ -5,7 +5,7 @@
 //! (see `rust/pool/held.rs`) until the last export is gone. Every change to that lifetime
 //! state happens under the pool's lock, so it is ordered with the pool's own.
 
-use super::error::{pool_error, size_arg, value_error};
+use super::error::{panic_error, pool_error, size_arg, value_error};
 use super::export::PyExport;
 use super::interop;
 use super::pool::{DevicePool, Shared};
@@ -16,6 +16,7 @@ use crate::pool::{Allocation, HeldBlock};
 use pyo3::exceptions::{PyAttributeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -100,6 +101,23 @@ impl PyDevicePtr {
             *self.held.lock().unwrap_or_else(|e| e.into_inner()) = Some(held);
             Ok(())
         })
+    }
+
+    /// A free the pool refused changed nothing, and is left to be retried: but a pointer being
+    /// destroyed has no one left to retry it, and its block would stay allocated for the pool's
+    /// life. It is freed as a block held for exports is, which waits for the whole device when
+    /// the device refuses the events the free needs and, if the device refuses that too, stays
+    /// held until the pool's next synchronize (which `empty_cache` calls). Returns `refused` if
+    /// even that cannot start, else the error of a release that must wait.
+    fn free_as_held(&self, py: Python<'_>, refused: PyErr) -> PyResult<()> {
+        let Some(handle) = self.handle else { return Err(refused) };
+        let mut pool = self.shared.lock(py)?;
+        if self.freed.load(Ordering::Acquire) {
+            return Err(refused);
+        }
+        let Ok(block) = pool.free_held(handle) else { return Err(refused) };
+        self.freed.store(true, Ordering::Release);
+        pool.detach(|pool| pool.release_held(block).map_err(pool_error))
     }
 
     /// A new export of the bytes; they stay put until it is dropped.
@@ -188,7 +206,9 @@ impl Drop for PyDevicePtr {
             if self.shared.left_by_fork(py) {
                 return;
             }
-            if let Err(e) = self.release(py) {
+            // A panic (in a device call) would end the destructor, and with it the block's free.
+            let released = catch_unwind(AssertUnwindSafe(|| self.release(py))).unwrap_or_else(|p| Err(panic_error(p)));
+            if let Err(e) = released.or_else(|refused| self.free_as_held(py, refused)) {
                 // As CPython does for errors in `__del__`.
                 e.write_unraisable(py, None);
             }

@@ -34,6 +34,15 @@ pub fn poisoned<T>(_: T) -> PyErr {
     PyRuntimeError::new_err("the device was left in an unknown state by an earlier internal panic")
 }
 
+/// A panic caught where it cannot propagate (a destructor), as PyO3 raises one elsewhere.
+pub fn panic_error(payload: Box<dyn std::any::Any + Send>) -> PyErr {
+    let message = match payload.downcast::<String>() {
+        Ok(text) => *text,
+        Err(payload) => payload.downcast_ref::<&str>().map_or("a panic without a message", |text| text).to_string(),
+    };
+    pyo3::panic::PanicException::new_err(message)
+}
+
 /// A pool that a panic left inconsistent, with the invariant it breaks.
 pub fn poisoned_pool(device: &str, why: &str) -> PyErr {
     PyRuntimeError::new_err(format!(
