@@ -156,3 +156,57 @@ def test_num_sync_all_streams_counts_empty_cache_and_the_out_of_memory_path():
     stats = pool.memory_stats()
     assert (stats["num_sync_all_streams"], stats["num_alloc_retries"], stats["num_ooms"]) == (2, 1, 1)
     held.free()
+
+
+ACCUMULATED_EVENTS = (
+    "num_alloc_retries",
+    "num_ooms",
+    "num_sync_all_streams",
+    "num_device_alloc",
+    "num_device_free",
+    "num_device_map",
+    "num_device_unmap",
+    "num_driver_calls",
+)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@settings(max_examples=25 * EXAMPLES_SCALE, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 48 * MiB)), max_size=40),
+    reset_at=st.integers(0, 40),
+)
+def test_reset_accumulated_restarts_the_sums_and_counts(strategy, ops, reset_at):
+    # Two pools run the same program; one resets its accumulated statistics part way. Its sums
+    # and counts must be what the other's grew by since then, its current values and peaks the
+    # other's (PyTorch's resetAccumulatedStats).
+    config = f"strategy:{strategy},max_split_size_mb:40"
+    reset, kept = (gpupool.Pool("sim", capacity="256MiB", config=config) for _ in range(2))
+    live: dict[gpupool.Pool, list] = {reset: [], kept: []}
+    at_reset = kept.memory_stats()
+    for step, (allocate, size) in enumerate(ops):
+        if step == reset_at:
+            reset.reset_accumulated_memory_stats()
+            at_reset = kept.memory_stats()
+        for pool in (reset, kept):
+            if allocate or not live[pool]:
+                try:
+                    live[pool].append(pool.alloc(size))
+                except gpupool.OutOfMemoryError:
+                    pass
+            else:
+                live[pool].pop(size % len(live[pool])).free()
+        if step % 8 == 7:
+            reset.empty_cache()
+            kept.empty_cache()
+    if reset_at >= len(ops):
+        reset.reset_accumulated_memory_stats()
+        at_reset = kept.memory_stats()
+    ours, theirs = reset.memory_stats(), kept.memory_stats()
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        if key.endswith((".allocated", ".freed")) or key in ACCUMULATED_EVENTS or key.startswith("num_driver_"):
+            assert value == theirs[key] - at_reset[key], key
+        else:
+            assert value == theirs[key], key
+    reset.check_invariants()

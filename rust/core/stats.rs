@@ -149,11 +149,59 @@ pub struct Stats {
     pub num_device_unmap: u64,
     /// What those operations cost in driver calls, by kind.
     pub driver: super::DriverCalls,
+    /// Where `reset_accumulated` left the sums; `None` until it is called (kept off the
+    /// counters themselves, which every allocation updates).
+    accumulated_from: Option<Box<AccumulatedFrom>>,
+}
+
+/// Each counter's (`allocated`, `freed`) when the accumulated statistics were last reset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct AccumulatedFrom {
+    table: [[(u64, u64); 2]; 9],
+    oversize: [(u64, u64); 2],
+}
+
+impl Counter {
+    fn sums(self) -> (u64, u64) {
+        (self.allocated, self.allocated - self.current)
+    }
+}
+
+/// `stat` with the sums `from` (per pool kind) taken off: what accumulated since the reset.
+fn since(mut stat: Stat, from: &[(u64, u64)]) -> Stat {
+    let (allocated, freed) = from.iter().fold((0, 0), |(a, f), &(x, y)| (a + x, f + y));
+    stat.allocated -= allocated;
+    stat.freed -= freed;
+    stat
 }
 
 impl Stats {
     pub fn get(&self, metric: Metric, of: StatType) -> Stat {
-        self.table[metric as usize].view(of)
+        let stat = self.table[metric as usize].view(of);
+        let Some(from) = self.accumulated_from.as_deref() else { return stat };
+        let kinds = &from.table[metric as usize];
+        match of {
+            StatType::All => since(stat, kinds),
+            StatType::LargePool => since(stat, &kinds[PoolKind::Large.index()..][..1]),
+            StatType::SmallPool => since(stat, &kinds[PoolKind::Small.index()..][..1]),
+        }
+    }
+
+    /// PyTorch's `reset_accumulated_memory_stats`: every counter's `allocated` and `freed`, and
+    /// the event counts (retries, OOMs, synchronizations, device and driver calls), start again
+    /// from 0; `current` and `peak` stay.
+    pub fn reset_accumulated(&mut self) {
+        let table = self.table.map(|row| row.kinds.map(Counter::sums));
+        let oversize = [self.oversize_allocations.sums(), self.oversize_segments.sums()];
+        self.accumulated_from = Some(Box::new(AccumulatedFrom { table, oversize }));
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+        self.num_device_map = 0;
+        self.num_device_unmap = 0;
+        self.driver = super::DriverCalls::default();
     }
 
     #[inline(always)]
@@ -192,11 +240,18 @@ impl Stats {
     }
 
     pub fn oversize_allocations(&self) -> Stat {
-        self.oversize_allocations.view()
+        self.oversize(self.oversize_allocations, 0)
     }
 
     pub fn oversize_segments(&self) -> Stat {
-        self.oversize_segments.view()
+        self.oversize(self.oversize_segments, 1)
+    }
+
+    fn oversize(&self, counter: Counter, index: usize) -> Stat {
+        match self.accumulated_from.as_deref() {
+            Some(from) => since(counter.view(), &from.oversize[index..][..1]),
+            None => counter.view(),
+        }
     }
 
     pub fn reset_peaks(&mut self) {

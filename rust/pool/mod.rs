@@ -127,6 +127,11 @@ impl<D: Device> Pool<D> {
         self.heap.stats_mut().reset_peaks();
     }
 
+    /// See [`crate::core::Stats::reset_accumulated`].
+    pub fn reset_accumulated_stats(&mut self) {
+        self.heap.stats_mut().reset_accumulated();
+    }
+
     fn validate(size: u64) -> Result<(), PoolError> {
         if size == 0 || size > Rules::MAX_REQUEST {
             return Err(PoolError::InvalidSize(size));

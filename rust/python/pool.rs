@@ -317,8 +317,17 @@ impl PyPool {
         Ok(self.stat(py, Metric::ReservedBytes)?.1)
     }
 
+    /// Every statistic's peak becomes its current value (`torch.cuda.reset_peak_memory_stats`).
     fn reset_peak_memory_stats(&self, py: Python<'_>) -> PyResult<()> {
         self.shared.lock(py)?.reset_peak_stats();
+        Ok(())
+    }
+
+    /// Every statistic's `allocated` and `freed` sums, and the event counts (`num_alloc_retries`,
+    /// `num_ooms`, `num_sync_all_streams`, device and driver calls), start again from 0
+    /// (`torch.cuda.reset_accumulated_memory_stats`); current values and peaks stay.
+    fn reset_accumulated_memory_stats(&self, py: Python<'_>) -> PyResult<()> {
+        self.shared.lock(py)?.reset_accumulated_stats();
         Ok(())
     }
 
