@@ -65,9 +65,11 @@ impl Shadow {
 /// Every strategy the engine offers; `default` joins once it parses.
 const STRATEGIES: &[&str] = &["default", "pytorch", "bfc", "arena", "eager", "direct", "expandable", "pages"];
 
-/// `settings` under each strategy (a strategy setting wins over a `strategy:` inside).
+/// `settings` under each strategy that takes them (a strategy setting wins over a `strategy:`
+/// inside); BFC and the arena refuse `max_split_size_mb`.
 fn configs(settings: &str) -> impl Iterator<Item = Config> + '_ {
-    STRATEGIES.iter().map(move |s| Config::parse(&format!("strategy:{s},{settings}")).unwrap())
+    let takes = move |s: &&&str| !(settings.contains("max_split_size_mb") && matches!(**s, "bfc" | "arena"));
+    STRATEGIES.iter().filter(takes).map(move |s| Config::parse(&format!("strategy:{s},{settings}")).unwrap())
 }
 
 /// After a free, the release watermark holds unless no idle segment is left to give back.

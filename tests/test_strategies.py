@@ -165,6 +165,10 @@ def test_the_environment_variable_applies_when_config_is_none(monkeypatch):
         ("cross_stream_reuse:sometimes", "cross_stream_reuse"),
         ("strategy:bfc,expandable_segments:True", "expandable_segments"),
         ("max_split_size_mb", "max_split_size_mb"),
+        # The arena's first block and BFC's doubling regions pass any limit; over it they would
+        # serve no smaller request (a second 100 B allocation failed on a 1 GiB device).
+        ("strategy:arena,max_split_size_mb:20", "max_split_size_mb"),
+        ("strategy:bfc,max_split_size_mb:64", "max_split_size_mb"),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_key(config, key):

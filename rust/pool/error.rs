@@ -109,7 +109,9 @@ impl OomReport {
                             no memory)"
                 .to_string();
             // Blocks at least max_split_size stay whole for requests at least that big.
-            if self.max_split_size.is_none() && self.requested >= 20 * MIB {
+            // (BFC and the arena refuse the key.)
+            let takes_limit = !matches!(self.strategy, "bfc" | "arena");
+            if takes_limit && self.max_split_size.is_none() && self.requested >= 20 * MIB {
                 text += &format!(
                     ", or max_split_size_mb:{} to keep cached blocks this big whole for requests like this one",
                     self.requested / MIB
@@ -196,5 +198,8 @@ mod tests {
         assert!(advice.contains("max_split_size_mb:64"), "{advice}");
         assert!(report("expandable").advice().join(" ").contains("strategy:default"));
         assert!(!report("default").advice().join(" ").contains("strategy:"), "the default is what ran");
+        for refuses_the_key in ["bfc", "arena"] {
+            assert!(!report(refuses_the_key).advice().join(" ").contains("max_split_size_mb"), "{refuses_the_key}");
+        }
     }
 }

@@ -193,6 +193,16 @@ impl Keys {
             Strategy::Direct => Rules::direct(),
         };
         if let Some(bytes) = self.max_split_size {
+            // Their regions and arena grow past any limit whether a request needs it or not, and
+            // a free block over the limit serves no request under it: the pool would run out
+            // with most of its memory free (TensorFlow and MindSpore have no such key).
+            if matches!(strategy, Strategy::Bfc | Strategy::Arena) {
+                return Err(ConfigError(format!(
+                    "config key 'max_split_size_mb' does not combine with strategy '{}': its blocks \
+                     grow past the limit unasked, and then serve no smaller request",
+                    strategy.name()
+                )));
+            }
             rules.max_split_size = bytes;
         }
         if let Some(bytes) = self.max_non_split_rounding {
@@ -437,8 +447,10 @@ mod tests {
         let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
         assert_eq!((pages.strategy, pages.paging.unwrap().page), (Strategy::Expandable, [16 * MIB; 2]));
         // Order does not matter: overrides apply on top of the preset.
-        let bfc = Config::parse("max_split_size_mb:40,strategy:bfc").unwrap();
-        assert_eq!((bfc.rules.granule, bfc.rules.max_split_size), (256, 40 * MIB));
+        let bfc = Config::parse("release_threshold:0.3,strategy:bfc").unwrap();
+        assert_eq!((bfc.rules.granule, bfc.release_threshold), (256, Some(0.3)));
+        let eager = Config::parse("max_split_size_mb:40,strategy:eager").unwrap();
+        assert_eq!((eager.rules.split, eager.rules.max_split_size), (SplitPolicy::Bfc, 40 * MIB));
         let async_backend = Config::parse("backend:cudaMallocAsync").unwrap();
         assert_eq!((async_backend.strategy, async_backend.backend), (Strategy::Direct, Backend::CudaMallocAsync));
         let watermark = Config::parse("release_threshold:0.2,strategy:direct").unwrap();
