@@ -4,6 +4,7 @@ progress bar shows only on a terminal."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import pty
@@ -77,6 +78,26 @@ def test_expandable_runs_and_graph_pools_are_said_to_be_approximated(tmp_path):
     assert advice.recorded.replayed_from == "live blocks" and advice.recorded.segment_decisions_matched is None
     assert any("replayed from their live blocks" in note for note in advice.notes)
     assert any("1 segments (0.02 GiB) belong to private pools" in note for note in advice.notes)
+
+
+def test_a_recorded_setting_that_fits_no_capacity_is_advised_against(tmp_path, capsys):
+    # A memory fraction this small needs a device 100,000 times the peak: the search gives up,
+    # and replay results say so with None, which advice compared with numbers and crashed on.
+    entries, segments = warmed_up()
+    recorded = {"PYTORCH_ALLOC_CONF": "per_process_memory_fraction:0.00001", "expandable_segments": False}
+    path = write(tmp_path, {"device_traces": [entries], "segments": segments, "allocator_settings": recorded})
+    advice = gpupool.advise(path, capacity="80GiB")
+    assert advice.as_run.min_capacity_bytes is None and advice.as_run.fits is False
+    assert advice.as_run.headroom_bytes is None
+    for family in ("pytorch", "gpupool"):
+        r = advice.recommended[family]
+        assert r.min_capacity_bytes is not None and r.min_capacity_bytes < 1 << 30, family
+        assert r.saved_bytes is None and r.saved_fraction is None, family
+    assert cli.main(["advise", str(path), "--capacity", "80GiB", "--html", str(tmp_path / "r.html")]) == 0
+    assert "what you ran fits no capacity the search tried" in capsys.readouterr().out
+    assert "what you ran fits no capacity the search tried" in (tmp_path / "r.html").read_text()
+    assert cli.main(["advise", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["recommended"]["pytorch"]["saved_bytes"] is None
 
 
 def test_a_csv_and_a_loaded_trace_are_advised_too(tmp_path):

@@ -21,7 +21,8 @@ class CandidateResult:
     gpupool_config: str
     as_run: bool
     peak_reserved_bytes: int
-    min_capacity_bytes: int
+    # None when no capacity the search tried fits (it gives up at about 7,500 times the peak).
+    min_capacity_bytes: int | None
     # Reserved beyond the most bytes the job held: peak reserved minus peak live.
     fragmentation_bytes: int
     driver_calls: int
@@ -87,10 +88,12 @@ class Recommendation:
     config: str
     # The line to paste: PYTORCH_ALLOC_CONF=... or GPUPOOL_ALLOC_CONF=...
     env: str
-    min_capacity_bytes: int
-    # Against what the user ran (negative would be a loss; the user's own settings compete).
-    saved_bytes: int
-    saved_fraction: float
+    # None when no capacity the search tried fits even the best of the family.
+    min_capacity_bytes: int | None
+    # Against what the user ran (negative would be a loss; the user's own settings compete);
+    # None when no capacity the search tried fits what the user ran or this.
+    saved_bytes: int | None
+    saved_fraction: float | None
 
     def as_dict(self) -> dict[str, Any]:
         return {

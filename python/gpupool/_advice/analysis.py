@@ -55,8 +55,9 @@ def _replay_all(
 
 
 def _candidate_result(c: _candidates.Candidate, result: Any, capacity: int | None) -> CandidateResult:
+    # None when no capacity the search tried fits (a tiny per_process_memory_fraction, say).
     minimum = result.min_capacity_bytes
-    fits = None if capacity is None else minimum <= capacity
+    fits = None if capacity is None else minimum is not None and minimum <= capacity
     return CandidateResult(
         config=c.label,
         family=c.family,
@@ -68,7 +69,7 @@ def _candidate_result(c: _candidates.Candidate, result: Any, capacity: int | Non
         fragmentation_bytes=result.peak_reserved_bytes - result.peak_live_bytes,
         driver_calls=result.device_calls,
         fits=fits,
-        headroom_bytes=None if capacity is None else capacity - minimum,
+        headroom_bytes=None if capacity is None or minimum is None else capacity - minimum,
         timeline=result.timeline,
     )
 
@@ -77,21 +78,23 @@ def _recommend(results: Sequence[CandidateResult], family: str) -> Recommendatio
     """The family's configuration that needs the smallest device (fewer driver calls break
     ties); what the user ran unless another saves more than the search's tolerance."""
     as_run = next(r for r in results if r.as_run)
-    best = min((r for r in results if r.family == family), key=lambda r: (r.min_capacity_bytes, r.driver_calls))
-    if (
-        family == "pytorch"
-        and as_run.min_capacity_bytes - best.min_capacity_bytes <= TOLERANCE * as_run.min_capacity_bytes
-    ):
-        best = as_run
-    saved = as_run.min_capacity_bytes - best.min_capacity_bytes
+    # One that no capacity the search tried fits comes last; the savings against one are unknown.
+    best = min(
+        (r for r in results if r.family == family),
+        key=lambda r: (r.min_capacity_bytes is None, r.min_capacity_bytes or 0, r.driver_calls),
+    )
+    ran, needs = as_run.min_capacity_bytes, best.min_capacity_bytes
+    if family == "pytorch" and (needs is None or (ran is not None and ran - needs <= TOLERANCE * ran)):
+        best, needs = as_run, ran
+    saved = None if ran is None or needs is None else ran - needs
     variable = "PYTORCH_ALLOC_CONF" if family == "pytorch" else "GPUPOOL_ALLOC_CONF"
     return Recommendation(
         family=family,
         config=best.config,
         env=f"{variable}={best.env}",
-        min_capacity_bytes=best.min_capacity_bytes,
+        min_capacity_bytes=needs,
         saved_bytes=saved,
-        saved_fraction=saved / max(as_run.min_capacity_bytes, 1),
+        saved_fraction=None if saved is None else saved / max(ran or 0, 1),
     )
 
 

@@ -59,11 +59,16 @@ def _chart_data(advice: Advice, units: _Units) -> dict[str, Any]:
 
 def _answer(r: Recommendation, units: _Units) -> str:
     who = "Stock PyTorch" if r.family == "pytorch" else "gpupool"
-    saving = f"saves {units(r.saved_bytes)} ({r.saved_fraction:.1%}) against what you ran"
-    if r.family == "pytorch" and r.saved_bytes <= 0:
+    if r.min_capacity_bytes is None:
+        return f"<p><b>{who}:</b> <code>{html.escape(r.env)}</code><br>fits no capacity the search tried</p>"
+    if r.saved_bytes is None or r.saved_fraction is None:
+        saving = "what you ran fits no capacity the search tried"
+    elif r.family == "pytorch" and r.saved_bytes <= 0:
         saving = "no stock setting needs less than what you ran"
     elif r.saved_bytes < 0:
         saving = f"needs {units(-r.saved_bytes)} ({-r.saved_fraction:.1%}) more than what you ran"
+    else:
+        saving = f"saves {units(r.saved_bytes)} ({r.saved_fraction:.1%}) against what you ran"
     return (
         f"<p><b>{who}:</b> <code>{html.escape(r.env)}</code><br>"
         f"needs a device of {units(r.min_capacity_bytes)}; {html.escape(saving)}</p>"
