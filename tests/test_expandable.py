@@ -99,3 +99,22 @@ def test_max_split_size_keeps_requests_in_their_ranges(strategy):
     for ptr in live:
         ptr.free()
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("strategy", ["default", "expandable", "pages"])
+def test_max_split_size_keeps_cached_blocks_of_a_range_whole(strategy):
+    # Growing into a range's free space passes the cap, but a block freed on mapped pages is
+    # cached memory, not address space: a small request carved it up, and the next big one
+    # mapped new pages instead of reusing it. PyTorch maps the small one from the unmapped rest.
+    pool = gpupool.Pool("sim", capacity="1GiB", config=f"strategy:{strategy},max_split_size_mb:20")
+    big = pool.alloc(64 * MiB)
+    keep = pool.alloc(4 * MiB)
+    cached = big.ptr
+    big.free()
+    small = pool.alloc(4 * MiB)
+    assert not cached <= small.ptr < cached + 64 * MiB, "a small request split a cached oversize block"
+    again = pool.alloc(64 * MiB)
+    assert again.ptr == cached
+    for ptr in (keep, small, again):
+        ptr.free()
+    pool.check_invariants()

@@ -436,6 +436,34 @@ impl Expandable {
         Ok(released)
     }
 
+    /// Whether free block `id` may serve a request whose cached blocks `max_split_size` caps at
+    /// `cap`: within the cap, or lying partly on unmapped pages (address space to map, as PyTorch
+    /// maps a request's pages from a range's unmapped remainder). A block wholly on mapped pages
+    /// beyond the cap is cached memory that the cap keeps whole for big requests.
+    pub fn may_grow_into(&self, heap: &Heap, id: u32, cap: u64) -> bool {
+        let b = heap.block_at(id);
+        b.size <= cap || !self.is_backed(heap.segment_of(id), b.address, b.size)
+    }
+
+    /// The smallest free block of `owner` in `kind`'s ranges that holds `rounded` bytes and
+    /// [`Expandable::may_grow_into`] allows (lowest address first among equals). Scans every
+    /// free block of those ranges: only the growth path calls it, when the best fit is cached
+    /// memory beyond the cap.
+    pub fn growth_fit(&self, heap: &Heap, rounded: u64, cap: u64, kind: PoolKind, owner: u32) -> Option<u32> {
+        let mut best: Option<(u64, u64, u32)> = None;
+        for range in self.ranges.iter().filter(|r| r.kind == kind) {
+            for (id, b) in heap.free_blocks(range.segment) {
+                if b.size < rounded || b.stream != owner || !self.may_grow_into(heap, id, cap) {
+                    continue;
+                }
+                if best.is_none_or(|(size, at, _)| (b.size, b.address) < (size, at)) {
+                    best = Some((b.size, b.address, id));
+                }
+            }
+        }
+        best.map(|(_, _, id)| id)
+    }
+
     /// Under memory pressure: the free block for `rounded` bytes on `stream` whose front needs
     /// the fewest pages mapped, typically a hole whose first page a live neighbour keeps mapped;
     /// ties go to the lowest address. Fronts only: a block at a hole's back would sit against the

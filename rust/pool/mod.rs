@@ -357,10 +357,16 @@ impl<D: Device> Pool<D> {
         let rules = self.heap.rules();
         let rounded = rules.round(size);
         let kind = rules.kind(rounded);
-        if self.expandable.is_some() {
+        if let Some(pages) = self.expandable.as_ref() {
             // With `max_split_size` set the cached search passed over the ranges' free space (a
             // block of it is as big as the range); map pages there before reserving a new range.
-            let free = self.heap.find_uncapped(rounded, stream).or_else(|| self.heap.find_uncapped(rounded, SHARED));
+            // Not in cached blocks beyond the cap, though: those are kept whole, as PyTorch does.
+            let (heap, cap) = (&self.heap, rules.max_block_for(rounded));
+            let free = [stream, SHARED].into_iter().find_map(|owner| match heap.find_uncapped(rounded, owner) {
+                Some(id) if pages.may_grow_into(heap, id, cap) => Some(id),
+                Some(_) => pages.growth_fit(heap, rounded, cap, kind, owner),
+                None => None,
+            });
             if let Some(id) = free {
                 return self.take_found(id, size, rounded, stream);
             }
