@@ -196,8 +196,10 @@ impl Rules {
         let log2 = 63 - size.max(1).leading_zeros();
         let interval = (log2.saturating_sub(POWER2_FIRST_LOG2) as usize).min(POWER2_INTERVALS - 1);
         let steps = divisions[interval];
-        // Saturating: a count may be any power of two that fits 64 bits.
-        if steps <= 1 || size <= self.granule.saturating_mul(steps) {
+        // Wrapping, as PyTorch's `kMinBlockSize * divisions` does: a count may be any power of
+        // two that fits 64 bits, and from 2^55 on (with 512-byte granules) the product is 0, so
+        // every size rounds (up to the next power of two, the steps being below one byte).
+        if steps <= 1 || size <= self.granule.wrapping_mul(steps) {
             return None;
         }
         if size.is_power_of_two() {
@@ -388,10 +390,16 @@ mod tests {
         assert_eq!(r.round(2 * MIB + 1), 2 * MIB + 512, "an interval set to 0 rounds plainly");
         assert_eq!(r.round((100 << 30) + 1), 104 << 30);
         assert_eq!(Rules::default().round(MIB + 1), MIB + 512);
-        // Counts up to 2^63: a granule times the count saturates instead of overflowing, and a
-        // count beyond every size leaves plain rounding.
-        let huge = Rules { power2_divisions: Some([1 << 63; POWER2_INTERVALS]), ..Rules::default() };
-        assert_eq!(huge.round(Rules::MAX_REQUEST - 1), Rules::MAX_REQUEST);
-        assert_eq!(huge.round(MIB + 1), MIB + 512);
+        // Counts up to 2^63, with PyTorch's arithmetic: 512 x 2^54 bounds the sizes that round
+        // plainly, and from 2^55 the product wraps to 0, so every size rounds to a power of two.
+        let large = Rules { power2_divisions: Some([1 << 54; POWER2_INTERVALS]), ..Rules::default() };
+        assert_eq!(large.round(MIB + 1), MIB + 512);
+        for count in [1 << 55, 1 << 63] {
+            let huge = Rules { power2_divisions: Some([count; POWER2_INTERVALS]), ..Rules::default() };
+            assert_eq!(huge.round(Rules::MAX_REQUEST - 1), Rules::MAX_REQUEST);
+            assert_eq!(huge.round(MIB + 1), 2 * MIB, "{count}");
+            assert_eq!(huge.round(4 * MIB), 4 * MIB, "{count}");
+            assert_eq!(huge.round(1000), 1024, "{count}");
+        }
     }
 }
