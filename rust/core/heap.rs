@@ -353,20 +353,24 @@ impl Heap {
     /// A cached block owned by `owner` that fits `requested` bytes.
     #[inline(always)]
     pub fn find(&self, rounded: u64, owner: u32) -> Option<u32> {
-        let kind = self.rules.kind(rounded);
-        let bins = &self.bins(owner)?[kind.index()];
-        if bins.is_empty() {
-            return None;
-        }
-        bins.find(&self.blocks, rounded, self.rules.max_block_for(rounded))
+        self.find_at_most(rounded, owner, self.rules.max_block_for(rounded))
     }
 
     /// [`Heap::find`] without the cap `max_split_size` puts on the blocks a request may use:
     /// the free blocks of expandable ranges are address space, mapped or not, and PyTorch maps a
     /// request's pages from its range's unmapped remainder whatever that remainder's size.
     pub fn find_uncapped(&self, rounded: u64, owner: u32) -> Option<u32> {
+        self.find_at_most(rounded, owner, u64::MAX)
+    }
+
+    /// A cached block owned by `owner` that fits `rounded` bytes and is at most `max_size`.
+    #[inline(always)]
+    fn find_at_most(&self, rounded: u64, owner: u32, max_size: u64) -> Option<u32> {
         let bins = &self.bins(owner)?[self.rules.kind(rounded).index()];
-        bins.find(&self.blocks, rounded, u64::MAX)
+        if bins.is_empty() {
+            return None;
+        }
+        bins.find(&self.blocks, rounded, max_size)
     }
 
     /// [`Heap::find`] among the free blocks of pool `kind`, whichever kind the rules give
