@@ -330,9 +330,9 @@ pub fn take_last_error() -> Option<String> {
 }
 
 /// The statistics of device `device`'s global pool, if it was opened.
-pub fn memory_stats(device: c_int) -> Option<Vec<(String, u64)>> {
+pub fn memory_stats(device: c_int) -> Option<Vec<(String, i64)>> {
     let state = global().ok()?.as_ref()?.devices.get(&device).cloned()?;
-    let entries = lock(&state).ok()?.pool.stats().entries();
+    let entries = lock(&state).ok()?.pool.memory_stats();
     Some(entries)
 }
 

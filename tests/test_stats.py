@@ -135,6 +135,20 @@ def test_oversize_counters_follow_max_split_size():
     assert (stats["oversize_segments.allocated"], stats["oversize_segments.freed"]) == (1, 1)
 
 
+@pytest.mark.parametrize(
+    ("config", "reported"),
+    [
+        ("strategy:pytorch", -1),  # unset: PyTorch's SIZE_MAX, read as a signed count
+        ("strategy:pytorch,max_split_size_mb:40", 40 * MiB),
+        ("strategy:default,max_split_size_mb:300", 300 * MiB),
+        ("strategy:bfc", -1),
+    ],
+)
+def test_max_split_size_is_reported_as_pytorch_does(config, reported):
+    pool = gpupool.Pool("sim", capacity="1GiB", config=config)
+    assert pool.memory_stats()["max_split_size"] == reported
+
+
 def test_without_max_split_size_nothing_is_oversize():
     pool = gpupool.Pool("sim", capacity="1GiB", config="strategy:pytorch")
     pool.alloc(512 * MiB)

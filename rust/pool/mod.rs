@@ -123,6 +123,19 @@ impl<D: Device> Pool<D> {
         self.heap.stats()
     }
 
+    /// `torch.cuda.memory_stats()`'s entries: every statistic, and `max_split_size` as PyTorch
+    /// reports it: the byte limit cast to a signed count, so -1 when unset (`SIZE_MAX`).
+    pub fn memory_stats(&self) -> Vec<(String, i64)> {
+        let mut entries: Vec<(String, i64)> = self
+            .stats()
+            .entries()
+            .into_iter()
+            .map(|(key, value)| (key, i64::try_from(value).unwrap_or(i64::MAX)))
+            .collect();
+        entries.push(("max_split_size".into(), self.rules().max_split_size as i64));
+        entries
+    }
+
     pub fn reset_peak_stats(&mut self) {
         self.heap.stats_mut().reset_peaks();
     }

@@ -293,7 +293,7 @@ impl PyPool {
     }
 
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let entries = self.shared.lock(py)?.stats().entries();
+        let entries = self.shared.lock(py)?.memory_stats();
         let dict = PyDict::new(py);
         for (key, value) in entries {
             dict.set_item(key, value)?;
