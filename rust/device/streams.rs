@@ -6,7 +6,7 @@
 //! stream made to wait on a pending event is busy until that event completes.
 
 use super::{DeviceError, EventId, StreamId, DEFAULT_STREAM};
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 /// Marks the ids of events that completed when recorded.
 const DONE: EventId = 1 << 63;
@@ -16,6 +16,8 @@ struct StreamState {
     held: bool,
     /// Pending events this stream was made to wait on.
     waits_on: Vec<EventId>,
+    /// Events recorded on this stream while it was busy: its next synchronization completes them.
+    recorded: Vec<EventId>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -29,6 +31,10 @@ struct EventState {
 #[derive(Debug)]
 pub struct SimStreams {
     streams: HashMap<StreamId, StreamState>,
+    /// Streams held, waiting or with pending events since they were last synchronized: the
+    /// only ones a device-wide synchronization has anything to do for. A replay of a trace with
+    /// thousands of streams synchronizes the device at every segment it frees.
+    active: HashSet<StreamId>,
     events: HashMap<EventId, EventState>,
     next_stream: StreamId,
     next_event: EventId,
@@ -38,7 +44,13 @@ impl Default for SimStreams {
     fn default() -> Self {
         let mut streams = HashMap::default();
         streams.insert(DEFAULT_STREAM, StreamState::default());
-        SimStreams { streams, events: HashMap::default(), next_stream: DEFAULT_STREAM + 1, next_event: 1 }
+        SimStreams {
+            streams,
+            active: HashSet::default(),
+            events: HashMap::default(),
+            next_stream: DEFAULT_STREAM + 1,
+            next_event: 1,
+        }
     }
 }
 
@@ -64,6 +76,7 @@ impl SimStreams {
         }
         self.synchronize_stream(s)?;
         self.streams.remove(&s);
+        self.active.remove(&s);
         Ok(())
     }
 
@@ -84,6 +97,7 @@ impl SimStreams {
 
     pub fn hold_stream(&mut self, s: StreamId) -> Result<(), DeviceError> {
         self.stream(s)?.held = true;
+        self.active.insert(s);
         Ok(())
     }
 
@@ -97,6 +111,8 @@ impl SimStreams {
             return Ok(e | DONE);
         }
         self.events.insert(e, EventState { stream: s, completed, destroyed: false });
+        self.stream(s)?.recorded.push(e);
+        self.active.insert(s);
         Ok(e)
     }
 
@@ -143,8 +159,10 @@ impl SimStreams {
 
     /// Completes everything recorded on `s` (and what it waits on) and ends its hold.
     pub fn synchronize_stream(&mut self, s: StreamId) -> Result<(), DeviceError> {
-        let waits = std::mem::take(&mut self.stream(s)?.waits_on);
-        self.stream(s)?.held = false;
+        let state = self.stream(s)?;
+        let (waits, recorded) = (std::mem::take(&mut state.waits_on), std::mem::take(&mut state.recorded));
+        state.held = false;
+        self.active.remove(&s);
         for e in waits {
             if let Some(ev) = self.events.get(&e).copied() {
                 if !ev.completed && ev.stream != s {
@@ -152,16 +170,24 @@ impl SimStreams {
                 }
             }
         }
-        for ev in self.events.values_mut().filter(|ev| ev.stream == s) {
-            ev.completed = true;
+        // Only events recorded while the stream was busy are stored, each listed once in
+        // `recorded`: completing those completes every event of the stream. A destroyed one
+        // was kept only for the streams waiting on it, which now need it no longer.
+        for e in recorded {
+            match self.events.get_mut(&e) {
+                Some(ev) if ev.destroyed => {
+                    self.events.remove(&e);
+                }
+                Some(ev) => ev.completed = true,
+                None => {}
+            }
         }
-        self.events.retain(|_, ev| !(ev.destroyed && ev.completed));
         Ok(())
     }
 
     /// Completes all work on every stream: what `cudaFree` does before returning memory.
     pub fn synchronize_all(&mut self) {
-        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
+        let streams: Vec<StreamId> = self.active.iter().copied().collect();
         for s in streams {
             // Every id here exists, so this cannot fail.
             let _ = self.synchronize_stream(s);
@@ -178,6 +204,7 @@ impl SimStreams {
         let state = self.stream(s)?;
         if !completed {
             state.waits_on.push(e);
+            self.active.insert(s);
         }
         Ok(())
     }
@@ -206,5 +233,31 @@ mod tests {
         st.destroy_stream(a).unwrap();
         assert_eq!(st.record_event(a), Err(DeviceError::InvalidStream(a)));
         assert_eq!(st.query_event(999), Err(DeviceError::InvalidEvent(999)));
+    }
+
+    #[test]
+    fn a_device_synchronization_completes_every_stream_and_keeps_no_event_it_need_not() {
+        let mut st = SimStreams::default();
+        let streams: Vec<StreamId> = (0..100).map(|_| st.create_stream().unwrap()).collect();
+        let (a, b, c) = (streams[10], streams[50], streams[90]);
+        st.hold_stream(a).unwrap();
+        let destroyed = st.record_event(a).unwrap();
+        let kept = st.record_event(a).unwrap();
+        st.stream_wait_event(b, destroyed).unwrap();
+        st.destroy_event(destroyed).unwrap();
+        st.hold_stream(c).unwrap();
+        let on_c = st.record_event(c).unwrap();
+        st.hold_stream(streams[70]).unwrap();
+        assert!(!st.query_stream(b).unwrap(), "b still waits on the destroyed event");
+        assert_eq!(st.active.len(), 4);
+        st.synchronize_all();
+        assert!(streams.iter().all(|&s| st.query_stream(s).unwrap()));
+        assert!(st.query_event(kept).unwrap() && st.query_event(on_c).unwrap());
+        assert_eq!(st.query_event(destroyed), Err(DeviceError::InvalidEvent(destroyed)));
+        // The two live events stay until destroyed; the destroyed one is gone.
+        assert_eq!(st.events.len(), 2);
+        st.destroy_event(kept).unwrap();
+        st.destroy_event(on_c).unwrap();
+        assert!(st.events.is_empty() && st.active.is_empty());
     }
 }
