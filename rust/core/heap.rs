@@ -353,20 +353,26 @@ impl Heap {
     /// A cached block owned by `owner` that fits `requested` bytes.
     #[inline(always)]
     pub fn find(&self, rounded: u64, owner: u32) -> Option<u32> {
-        self.find_at_most(rounded, owner, self.rules.max_block_for(rounded))
+        self.find_at_most(self.rules.kind(rounded), rounded, owner, self.rules.max_block_for(rounded))
     }
 
     /// [`Heap::find`] without the cap `max_split_size` puts on the blocks a request may use:
     /// the free blocks of expandable ranges are address space, mapped or not, and PyTorch maps a
     /// request's pages from its range's unmapped remainder whatever that remainder's size.
     pub fn find_uncapped(&self, rounded: u64, owner: u32) -> Option<u32> {
-        self.find_at_most(rounded, owner, u64::MAX)
+        self.find_uncapped_in(self.rules.kind(rounded), rounded, owner)
     }
 
-    /// A cached block owned by `owner` that fits `rounded` bytes and is at most `max_size`.
+    /// [`Heap::find_uncapped`] among the free blocks of pool `kind`.
+    pub fn find_uncapped_in(&self, kind: PoolKind, rounded: u64, owner: u32) -> Option<u32> {
+        self.find_at_most(kind, rounded, owner, u64::MAX)
+    }
+
+    /// A cached block of pool `kind` owned by `owner` that fits `rounded` bytes and is at most
+    /// `max_size`.
     #[inline(always)]
-    fn find_at_most(&self, rounded: u64, owner: u32, max_size: u64) -> Option<u32> {
-        let bins = &self.bins(owner)?[self.rules.kind(rounded).index()];
+    fn find_at_most(&self, kind: PoolKind, rounded: u64, owner: u32, max_size: u64) -> Option<u32> {
+        let bins = &self.bins(owner)?[kind.index()];
         if bins.is_empty() {
             return None;
         }
@@ -376,8 +382,7 @@ impl Heap {
     /// [`Heap::find`] among the free blocks of pool `kind`, whichever kind the rules give
     /// `rounded`: a paged pool may place a small request in a large range.
     pub fn find_in(&self, kind: PoolKind, rounded: u64, owner: u32) -> Option<u32> {
-        let bins = &self.bins(owner)?[kind.index()];
-        bins.find(&self.blocks, rounded, self.rules.max_block_for(rounded))
+        self.find_at_most(kind, rounded, owner, self.rules.max_block_for(rounded))
     }
 
     /// A cached block owned by a stream other than `stream` (nor shared) that fits, with its

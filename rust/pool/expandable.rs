@@ -14,9 +14,10 @@
 //! pager (`default`): the same, but a map call's handles shrink with the room left on the device
 //! (up to 1/512 of it while nine tenths stay free, then 1/4096 of what stays free, down to a
 //! page), so that a growing job makes few driver calls and a job near the device's limit can
-//! still give back any free page. Its small range holds only tiny blocks (at most an eighth of
-//! a page), and one of those goes to a free piece of the large range, on pages live neighbours
-//! keep mapped, before its own range maps a page. When the device refuses a map, it gives
+//! still give back any free page. Its small range holds tiny blocks (at most an eighth of a
+//! page), and one of those goes to a free piece of the large range, on pages live neighbours
+//! keep mapped, before its own range maps a page; it also holds the blocks of at most a page
+//! that continue a long run of same-size allocations (`size_run.rs`). When the device refuses a map, it gives
 //! back free pages elsewhere that no queued work uses and maps again, so the block keeps its
 //! best-fit place and no stream is waited for; only if none are free does the out-of-memory
 //! path run.
@@ -231,7 +232,12 @@ impl Expandable {
         stream: u32,
         limit: Option<u64>,
     ) -> Result<Backing, DeviceError> {
-        if self.paging.mode == PagingMode::Pager && self.ranges[index].kind == PoolKind::Small {
+        // Only the small range's own blocks: one a run sent there (size_run.rs) must not go back
+        // to the large range's pieces.
+        if self.paging.mode == PagingMode::Pager
+            && self.ranges[index].kind == PoolKind::Small
+            && len <= heap.rules().small_max
+        {
             if let Some(piece) = self.mapped_piece(heap, len, stream) {
                 return Ok(Backing::Piece(piece));
             }

@@ -12,6 +12,7 @@ mod history;
 mod page_map;
 mod release;
 mod seed;
+mod size_run;
 mod streams;
 
 pub use config::{
@@ -22,11 +23,14 @@ pub use error::{format_bytes, OomReport, PoolError};
 pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
 
-use crate::core::{BlockState, Handle, Heap, Metric, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, SHARED};
+use crate::core::{
+    BlockState, Handle, Heap, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, SHARED,
+};
 use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
 use expandable::{Backing, Expandable};
 use growth::Growth;
+use size_run::SizeRun;
 
 pub use crate::device::DEFAULT_STREAM;
 
@@ -57,6 +61,9 @@ pub struct Pool<D: Device> {
     held_for_capture: Vec<Handle>,
     /// Whether the device's streams can be captured: only then must the hot path ask.
     captures_graphs: bool,
+    /// The run of same-size allocations so far (gpupool's pager sends long runs' blocks of at
+    /// most a page to its small range).
+    run: SizeRun,
 }
 
 impl<D: Device> Pool<D> {
@@ -68,6 +75,12 @@ impl<D: Device> Pool<D> {
         let config = Self::fit_pages_to(&mut device, config);
         let expandable = config.paging.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
+        let run = match config.paging {
+            Some(paging) if paging.mode == PagingMode::Pager => {
+                SizeRun::new(config.rules.small_max, paging.page_of(PoolKind::Small))
+            }
+            _ => SizeRun::default(),
+        };
         let mut pool = Pool {
             device,
             heap,
@@ -79,6 +92,7 @@ impl<D: Device> Pool<D> {
             held: 0,
             unreleased: Vec::new(),
             held_for_capture: Vec::new(),
+            run,
             captures_graphs: false,
         };
         pool.captures_graphs = pool.device.captures_graphs();
@@ -169,7 +183,7 @@ impl<D: Device> Pool<D> {
             return Ok(None);
         }
         let rounded = self.heap.rules().round(size);
-        let Some(id) = self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)) else {
+        let Some(id) = self.find_cached(rounded, stream) else {
             return Ok(None);
         };
         if let Some(pages) = self.expandable.as_ref() {
@@ -179,7 +193,19 @@ impl<D: Device> Pool<D> {
             }
         }
         let (handle, address) = self.heap.take_block(id, size, rounded, stream);
+        self.run.note(rounded);
         Ok(Some(self.allocation(handle, address, size, stream)))
+    }
+
+    /// The cached block for `rounded` bytes on `stream`: of the stream's own, else a shared one,
+    /// in the pool kind the rules give the size, or the one a run of same-size allocations
+    /// sends it to.
+    #[inline(always)]
+    fn find_cached(&self, rounded: u64, stream: StreamId) -> Option<u32> {
+        match self.run.redirect(rounded) {
+            None => self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)),
+            Some(kind) => self.heap.find_in(kind, rounded, stream).or_else(|| self.heap.find_in(kind, rounded, SHARED)),
+        }
     }
 
     /// `size` was validated by the caller.
@@ -218,7 +244,7 @@ impl<D: Device> Pool<D> {
 
     /// A cached block of the stream's own, else a shared one.
     fn take_cached(&mut self, size: u64, rounded: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
-        match self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)) {
+        match self.find_cached(rounded, stream) {
             Some(id) => self.take_found(id, size, rounded, stream).map(Some),
             None => Ok(None),
         }
@@ -280,7 +306,9 @@ impl<D: Device> Pool<D> {
         if let Ok(Some(a)) = self.alloc_cached(size, stream) {
             return Ok(a);
         }
-        self.alloc_uncached(size, stream)
+        let a = self.alloc_uncached(size, stream)?;
+        self.run.note(self.heap.rules().round(size));
+        Ok(a)
     }
 
     /// [`Pool::alloc_on`] when [`Pool::alloc_cached`] could not serve the request.
@@ -369,17 +397,18 @@ impl<D: Device> Pool<D> {
         self.device.query_stream(stream)?;
         let rules = self.heap.rules();
         let rounded = rules.round(size);
-        let kind = rules.kind(rounded);
+        let kind = self.run.redirect(rounded).unwrap_or(rules.kind(rounded));
         if let Some(pages) = self.expandable.as_ref() {
             // With `max_split_size` set the cached search passed over the ranges' free space (a
             // block of it is as big as the range); map pages there before reserving a new range.
             // Not in cached blocks beyond the cap, though: those are kept whole, as PyTorch does.
             let (heap, cap) = (&self.heap, rules.max_block_for(rounded));
-            let free = [stream, SHARED].into_iter().find_map(|owner| match heap.find_uncapped(rounded, owner) {
-                Some(id) if pages.may_grow_into(heap, id, cap) => Some(id),
-                Some(_) => pages.growth_fit(heap, rounded, cap, kind, owner),
-                None => None,
-            });
+            let free =
+                [stream, SHARED].into_iter().find_map(|owner| match heap.find_uncapped_in(kind, rounded, owner) {
+                    Some(id) if pages.may_grow_into(heap, id, cap) => Some(id),
+                    Some(_) => pages.growth_fit(heap, rounded, cap, kind, owner),
+                    None => None,
+                });
             if let Some(id) = free {
                 return self.take_found(id, size, rounded, stream);
             }

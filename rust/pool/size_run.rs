@@ -1,0 +1,79 @@
+//! Runs of same-size allocations, for gpupool's pager.
+//!
+//! A job that makes many tensors of one size one after another (a K and a V tensor per layer
+//! for each request a server admits, per-layer buffers) makes tensors that live and die
+//! together, not with whatever lies around them. Best fit would put blocks of a page or less in
+//! the free pieces between large blocks of the large range, where they cost no page while their
+//! neighbours live; when the neighbours die first, each keeps a partly used page mapped and
+//! splits the hole a large request could have reused (BENCHMARKS.md, "Where the default still
+//! needs more than `pages`"). So past the first [`RUN_TO_SMALL`] of a run, such blocks go to the
+//! small range, where they pack together. Blocks of a training step die with their neighbours,
+//! and there filling the large blocks' edge pages is what saves memory: runs that long are rare
+//! in them, and no shared trace or snapshot moves.
+
+use crate::core::PoolKind;
+
+/// The allocations of one size in a row after which the rest of the run goes to the small
+/// range. Shorter runs cost memory on Wedsonlin__medium_128_training (4: 86 MiB); longer ones
+/// help the serving programs less (BENCHMARKS.md).
+pub const RUN_TO_SMALL: u32 = 8;
+
+/// The rounded size of the last allocations and how many in a row had it.
+#[derive(Debug, Default)]
+pub struct SizeRun {
+    size: u64,
+    count: u32,
+    /// Sizes in `(smallest, largest]` are redirected: above the small range's own blocks, at
+    /// most its page. Empty (0, 0) unless the pool is gpupool's pager.
+    smallest: u64,
+    largest: u64,
+}
+
+impl SizeRun {
+    pub fn new(smallest: u64, largest: u64) -> Self {
+        SizeRun { size: 0, count: 0, smallest, largest: largest.max(smallest) }
+    }
+
+    /// Counts an allocation of `rounded` bytes.
+    #[inline(always)]
+    pub fn note(&mut self, rounded: u64) {
+        if rounded == self.size {
+            self.count = self.count.saturating_add(1);
+        } else {
+            self.size = rounded;
+            self.count = 1;
+        }
+    }
+
+    /// The pool kind a request of `rounded` bytes goes to instead of the rules' kind, if any:
+    /// the small range, when it continues a long run of blocks of at most a page.
+    #[inline(always)]
+    pub fn redirect(&self, rounded: u64) -> Option<PoolKind> {
+        let continues = rounded == self.size && self.count >= RUN_TO_SMALL;
+        (continues && rounded > self.smallest && rounded <= self.largest).then_some(PoolKind::Small)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_long_run_of_mid_sizes_is_redirected() {
+        let mut run = SizeRun::new(256 << 10, 2 << 20);
+        for size in [512 << 10, 4 << 20, 128 << 10] {
+            for i in 0..RUN_TO_SMALL + 2 {
+                let expected = (i >= RUN_TO_SMALL && size == 512 << 10).then_some(PoolKind::Small);
+                assert_eq!(run.redirect(size), expected, "{size} bytes, {i} before it");
+                run.note(size);
+            }
+        }
+        // Another size breaks the run.
+        run.note(512 << 10);
+        assert_eq!(run.redirect(512 << 10), None);
+        // A pool that is not gpupool's pager redirects nothing.
+        let mut off = SizeRun::default();
+        (0..100).for_each(|_| off.note(512 << 10));
+        assert_eq!(off.redirect(512 << 10), None);
+    }
+}

@@ -1,0 +1,57 @@
+"""Runs of same-size allocations (`rust/pool/size_run.rs`): gpupool's pager sends the blocks of a
+long run, when at most a page, to its small range."""
+
+from __future__ import annotations
+
+import bench_scripts
+import pytest
+
+import gpupool
+from gpupool.trace import load, replay
+from pool_checks import MiB
+
+
+def segment_type_of(pool, ptr) -> str:
+    [kind] = [
+        s["segment_type"]
+        for s in pool.snapshot()["segments"]
+        if s["address"] <= ptr.ptr < s["address"] + s["total_size"]
+    ]
+    return kind
+
+
+@pytest.mark.parametrize("config", ["strategy:default", "strategy:default,max_split_size_mb:20"])
+def test_a_long_run_of_same_size_blocks_goes_to_the_small_range(config):
+    # A run of same-size tensors (a request's K and V per layer) lives and dies together: past
+    # the first eight, blocks of at most a page leave the large range's pieces alone.
+    pool = gpupool.Pool("sim", capacity="4GiB", config=config)
+    run = [pool.alloc(512 << 10) for _ in range(12)]
+    assert [segment_type_of(pool, p) for p in run] == ["large"] * 8 + ["small"] * 4
+    mixed = [pool.alloc(size) for _ in range(12) for size in (768 << 10, 512 << 10)]
+    assert {segment_type_of(pool, p) for p in mixed} == {"large"}, "sizes that alternate make no run"
+    big = [pool.alloc(4 * MiB) for _ in range(12)]
+    assert {segment_type_of(pool, p) for p in big} == {"large"}, "more than a page is no small block"
+    assert pool.memory_stats()["num_driver_reserve"] == 2, "one range for each pool kind"
+    for ptr in run + mixed + big:
+        ptr.free()
+    pool.check_invariants()
+
+
+def test_the_reference_pager_keeps_its_own_small_pool():
+    pool = gpupool.Pool("sim", capacity="4GiB", config="strategy:pages")
+    run = [pool.alloc(1536 << 10) for _ in range(12)]
+    assert {segment_type_of(pool, p) for p in run} == {"large"}
+
+
+def test_serving_with_a_kv_tensor_per_request_needs_no_more_than_pytorchs_expandable_segments(tmp_path):
+    # benches/serving_kv.py: requests' KV tensors outlive their neighbours. Before long runs went
+    # to the small range, the default needed 10 MiB more than `expandable` on program 7.
+    serving_kv = bench_scripts.load("serving_kv")
+    for seed in range(10):
+        path = str(tmp_path / f"serving_kv_{seed}.csv.gz")
+        serving_kv.serving_trace(seed, path)
+        trace = load(path)
+        default, expandable = (
+            replay(trace, f"strategy:{s}", min_capacity=True).min_capacity_bytes for s in ("default", "expandable")
+        )
+        assert default <= expandable, f"program {seed}: {default / MiB:,.0f} MiB > {expandable / MiB:,.0f} MiB"
