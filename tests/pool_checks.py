@@ -31,7 +31,8 @@ class SizeRules:
     page_size: int = 0
     # Rounded requests up to this size are small.
     small_max: int = MiB
-    # A small request may also go to a large segment (the default: a free piece on mapped pages).
+    # A small request may also go to a large segment (the default: a free piece on mapped pages),
+    # and a block of up to a page to a small one (the default: a long run of one size).
     small_in_large: bool = False
 
 
@@ -246,7 +247,10 @@ def _check_live(rules: SizeRules, segments: list[dict], live: list) -> None:
         end = ptr.ptr + rounded(ptr.size, rules.granule)
         assert end <= segment["address"] + segment["total_size"]
         small = rules.small_pool and is_small(ptr.size, rules.small_max)
-        allowed = ("small", "large") if small and rules.small_in_large else ("small" if small else "large",)
+        # The default's tiny blocks may take pieces of the large range, and a long run of
+        # same-size blocks of up to a page goes to its small range (size_run.rs).
+        either = rules.small_in_large and (small or rounded(ptr.size, rules.granule) <= rules.page_size)
+        allowed = ("small", "large") if either else ("small" if small else "large",)
         assert segment["segment_type"] in allowed
     by_address = sorted(live, key=lambda p: p.ptr)
     for first, second in zip(by_address, by_address[1:], strict=False):

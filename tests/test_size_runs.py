@@ -4,11 +4,13 @@ long run, when at most a page, to its small range."""
 from __future__ import annotations
 
 import bench_scripts
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 import gpupool
 from gpupool.trace import load, replay
-from pool_checks import MiB
+from pool_checks import EXAMPLES_SCALE, MiB, check_pool
 
 
 def segment_type_of(pool, ptr) -> str:
@@ -32,9 +34,10 @@ def test_a_long_run_of_same_size_blocks_goes_to_the_small_range(config):
     big = [pool.alloc(4 * MiB) for _ in range(12)]
     assert {segment_type_of(pool, p) for p in big} == {"large"}, "more than a page is no small block"
     assert pool.memory_stats()["num_driver_reserve"] == 2, "one range for each pool kind"
+    check_pool(pool, run + mixed + big)
     for ptr in run + mixed + big:
         ptr.free()
-    pool.check_invariants()
+    check_pool(pool, [])
 
 
 def test_the_reference_pager_keeps_its_own_small_pool():
@@ -55,3 +58,33 @@ def test_serving_with_a_kv_tensor_per_request_needs_no_more_than_pytorchs_expand
             replay(trace, f"strategy:{s}", min_capacity=True).min_capacity_bytes for s in ("default", "expandable")
         )
         assert default <= expandable, f"program {seed}: {default / MiB:,.0f} MiB > {expandable / MiB:,.0f} MiB"
+
+
+RUN_SIZES = [64 << 10, 300 << 10, 512 << 10, MiB, 2 * MiB, 3 * MiB]
+
+
+@settings(max_examples=40 * EXAMPLES_SCALE, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.sampled_from(RUN_SIZES), st.integers(1, 20), st.floats(0, 1)), min_size=1, max_size=10),
+    order=st.randoms(use_true_random=False),
+)
+def test_runs_of_one_size_keep_blocks_apart_and_intact(runs, order):
+    # Runs of every length, each followed by frees of a random share of what is live: blocks
+    # land in either range, and every check of the pool, its snapshot and its statistics holds,
+    # with each block's bytes intact.
+    pool = gpupool.Pool("host", capacity="1GiB", config="strategy:default")
+    live = []
+    for size, length, share in runs:
+        for _ in range(length):
+            ptr = pool.alloc(size)
+            ptr.copy_from_host(len(live).to_bytes(8, "little") * 2)
+            live.append((ptr, len(live)))
+        order.shuffle(live)
+        for ptr, _ in live[: int(share * len(live))]:
+            ptr.free()
+        live = live[int(share * len(live)) :]
+        check_pool(pool, [ptr for ptr, _ in live])
+    for ptr, mark in live:
+        assert ptr.copy_to_host(size=16) == mark.to_bytes(8, "little") * 2
+        ptr.free()
+    check_pool(pool, [])
