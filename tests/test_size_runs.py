@@ -23,21 +23,33 @@ def segment_type_of(pool, ptr) -> str:
 
 
 @pytest.mark.parametrize("config", ["strategy:default", "strategy:default,max_split_size_mb:20"])
-def test_a_long_run_of_same_size_blocks_goes_to_the_small_range(config):
+def test_a_long_run_of_same_size_blocks_goes_to_the_small_range_when_the_device_is_nearly_full(config):
     # A run of same-size tensors (a request's K and V per layer) lives and dies together: past
-    # the first eight, blocks of at most a page leave the large range's pieces alone.
-    pool = gpupool.Pool("sim", capacity="4GiB", config=config)
+    # the first eight, blocks of at most a page leave the large range's pieces alone, once less
+    # than a tenth of the device is left.
+    pool = gpupool.Pool("sim", capacity="256MiB", config=config)
+    hold = pool.alloc(232 * MiB)
     run = [pool.alloc(512 << 10) for _ in range(12)]
     assert [segment_type_of(pool, p) for p in run] == ["large"] * 8 + ["small"] * 4
-    mixed = [pool.alloc(size) for _ in range(12) for size in (768 << 10, 512 << 10)]
+    mixed = [pool.alloc(size) for _ in range(6) for size in (768 << 10, 512 << 10)]
     assert {segment_type_of(pool, p) for p in mixed} == {"large"}, "sizes that alternate make no run"
-    big = [pool.alloc(4 * MiB) for _ in range(12)]
-    assert {segment_type_of(pool, p) for p in big} == {"large"}, "more than a page is no small block"
+    check_pool(pool, [hold, *run, *mixed])
+    for ptr in run + mixed:
+        ptr.free()
+    big = [pool.alloc(9 << 18) for _ in range(9)]  # 2.25 MiB: more than a page
+    assert {segment_type_of(pool, p) for p in big} == {"large"}, "a block over a page is no small block"
     assert pool.memory_stats()["num_driver_reserve"] == 2, "one range for each pool kind"
-    check_pool(pool, run + mixed + big)
-    for ptr in run + mixed + big:
+    check_pool(pool, [hold, *big])
+    for ptr in [hold, *big]:
         ptr.free()
     check_pool(pool, [])
+
+
+def test_with_room_to_spare_a_run_stays_in_the_large_range():
+    pool = gpupool.Pool("sim", capacity="4GiB")
+    run = [pool.alloc(512 << 10) for _ in range(12)]
+    assert {segment_type_of(pool, p) for p in run} == {"large"}
+    assert pool.memory_stats()["num_driver_reserve"] == 1
 
 
 def test_the_reference_pager_keeps_its_own_small_pool():
@@ -72,19 +84,25 @@ def test_runs_of_one_size_keep_blocks_apart_and_intact(runs, order):
     # Runs of every length, each followed by frees of a random share of what is live: blocks
     # land in either range, and every check of the pool, its snapshot and its statistics holds,
     # with each block's bytes intact.
-    pool = gpupool.Pool("host", capacity="1GiB", config="strategy:default")
+    # A device a held block nearly fills: runs go to the small range past their eighth block.
+    pool = gpupool.Pool("host", capacity="320MiB", config="strategy:default")
+    hold = pool.alloc(256 * MiB)
     live = []
     for size, length, share in runs:
         for _ in range(length):
-            ptr = pool.alloc(size)
+            try:
+                ptr = pool.alloc(size)
+            except gpupool.OutOfMemoryError:
+                continue
             ptr.copy_from_host(len(live).to_bytes(8, "little") * 2)
             live.append((ptr, len(live)))
         order.shuffle(live)
         for ptr, _ in live[: int(share * len(live))]:
             ptr.free()
         live = live[int(share * len(live)) :]
-        check_pool(pool, [ptr for ptr, _ in live])
+        check_pool(pool, [hold, *(ptr for ptr, _ in live)])
     for ptr, mark in live:
         assert ptr.copy_to_host(size=16) == mark.to_bytes(8, "little") * 2
         ptr.free()
+    hold.free()
     check_pool(pool, [])

@@ -197,12 +197,23 @@ impl<D: Device> Pool<D> {
         Ok(Some(self.allocation(handle, address, size, stream)))
     }
 
+    /// The kind [`SizeRun`] sends a request of `rounded` bytes to, while the pool is short of
+    /// room (see [`size_run::TIGHT_SHARE`]).
+    #[inline(always)]
+    fn redirect(&self, rounded: u64) -> Option<PoolKind> {
+        self.run.redirect(rounded).filter(|_| {
+            let Some(most) = self.growth.ceiling else { return false };
+            let reserved = self.heap.stats().get(Metric::ReservedBytes, StatType::All).current;
+            (most.saturating_sub(reserved) as f64) < size_run::TIGHT_SHARE * most as f64
+        })
+    }
+
     /// The cached block for `rounded` bytes on `stream`: of the stream's own, else a shared one,
     /// in the pool kind the rules give the size, or the one a run of same-size allocations
     /// sends it to.
     #[inline(always)]
     fn find_cached(&self, rounded: u64, stream: StreamId) -> Option<u32> {
-        match self.run.redirect(rounded) {
+        match self.redirect(rounded) {
             None => self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)),
             Some(kind) => self.heap.find_in(kind, rounded, stream).or_else(|| self.heap.find_in(kind, rounded, SHARED)),
         }
@@ -397,7 +408,7 @@ impl<D: Device> Pool<D> {
         self.device.query_stream(stream)?;
         let rules = self.heap.rules();
         let rounded = rules.round(size);
-        let kind = self.run.redirect(rounded).unwrap_or(rules.kind(rounded));
+        let kind = self.redirect(rounded).unwrap_or(rules.kind(rounded));
         if let Some(pages) = self.expandable.as_ref() {
             // With `max_split_size` set the cached search passed over the ranges' free space (a
             // block of it is as big as the range); map pages there before reserving a new range.
