@@ -15,9 +15,9 @@ use crate::core::PoolKind;
 
 /// Runs are sent to the small range only while less than this share of what the pool may hold
 /// (the device, or its limit) is unmapped. With more room a second range only adds its own high
-/// water and map calls to the large range's: on devices 1.1 to 4 times a serving job, sending
-/// runs there whenever a tenth of the device was mapped raised peak reserved by 4% to 15% and
-/// driver calls by 10% to 70%. An unlimited device never sends them.
+/// water and map calls to the large range's: on devices 1.1 to 8 times a serving job, sending
+/// runs there at any fill level raised peak reserved by 2% to 15% and driver calls by 5% to 72%.
+/// An unlimited device never sends them.
 pub const TIGHT_SHARE: f64 = 0.1;
 
 /// The allocations of one size in a row after which the rest of the run goes to the small
