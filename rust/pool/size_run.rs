@@ -5,11 +5,11 @@
 //! together, not with whatever lies around them. Best fit would put blocks of a page or less in
 //! the free pieces between large blocks of the large range, where they cost no page while their
 //! neighbours live; when the neighbours die first, each keeps a partly used page mapped and
-//! splits the hole a large request could have reused (BENCHMARKS.md, "Where the default still
-//! needs more than `pages`"). So past the first [`RUN_TO_SMALL`] of a run, and while the device is
-//! nearly full, such blocks go to the small range, where they pack together. Blocks of a training step die with their neighbours,
-//! and there filling the large blocks' edge pages is what saves memory: runs that long are rare
-//! in them, and no shared trace or snapshot moves.
+//! splits the hole a large request could have reused (BENCHMARKS.md, "Serving with a KV tensor
+//! per request"). So past the first [`RUN_TO_SMALL`] of a run, and while the device is nearly
+//! full, such blocks go to the small range, where they pack together. Blocks of a training step
+//! die with their neighbours, and there filling the large blocks' edge pages is what saves
+//! memory: runs that long are rare in them, and no shared trace or snapshot moves.
 
 use crate::core::PoolKind;
 
