@@ -119,3 +119,44 @@ def test_a_snapshot_value_beyond_64_bits_exits_with_a_message(tmp_path):
     path.write_bytes(pickle.dumps({"device_traces": [[entry]], "segments": []}))
     with pytest.raises(SystemExit, match=r"huge\.pickle, device_traces\[0\], entry 0: 'addr' must be .* below 2\*\*64"):
         cli.main(["replay", str(path)])
+
+
+def two_device_snapshot(tmp_path) -> pathlib.Path:
+    """Device 0 holds 8 MiB at its peak, device 1 holds 24 MiB; device 2 recorded nothing."""
+    mib = 1 << 20
+    zero = [
+        {"action": "alloc", "addr": 0x1000, "size": 8 * mib},
+        {"action": "free_completed", "addr": 0x1000, "size": 8 * mib},
+    ]
+    one = [{"action": "alloc", "addr": 0x2000 + i, "size": 12 * mib} for i in range(2)]
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [zero, one, []], "segments": []}))
+    return path
+
+
+def test_a_snapshot_of_several_devices_gives_a_row_per_device(capsys, tmp_path):
+    path = two_device_snapshot(tmp_path)
+    assert cli.main(["replay", str(path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["trace"], r["peak_live_bytes"] >> 20) for r in rows] == [
+        (f"{path.name}, device_traces[0]", 8),
+        (f"{path.name}, device_traces[1]", 24),
+    ]
+    assert cli.main(["replay", str(path), "--device", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["trace"], r["peak_live_bytes"] >> 20) for r in rows] == [(f"{path.name}, device_traces[1]", 24)]
+    # The Python API gives the same split.
+    assert [len(t) for t in gpupool.trace.load_each(path)] == [2, 2]
+
+
+@pytest.mark.parametrize(("device", "message"), [("3", r"no device 3 \(the snapshot has 3\)"), ("-1", "no device -1")])
+def test_a_device_the_snapshot_lacks_exits_with_a_message(tmp_path, device, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["replay", str(two_device_snapshot(tmp_path)), "--device", device])
+
+
+def test_a_csv_has_only_device_0(trace_file, capsys):
+    assert cli.main(["replay", str(trace_file), "--device", "0"]) == 0
+    assert capsys.readouterr().out.count("small.csv") == 1
+    with pytest.raises(SystemExit, match="an RMM CSV holds one device's allocations; there is no device 1"):
+        cli.main(["replay", str(trace_file), "--device", "1"])

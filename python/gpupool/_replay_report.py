@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from gpupool.trace import ReplayResult, Trace, load, replay
+from gpupool.trace import ReplayResult, Trace, load, load_each, replay
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -38,6 +38,12 @@ def add_parser(commands: Any) -> None:
         "--min-capacity",
         action="store_true",
         help="also find the smallest device size that runs the trace without an OOM (to 0.02%%)",
+    )
+    parser.add_argument(
+        "--device",
+        type=int,
+        metavar="N",
+        help="replay only device N of a snapshot (default: every device with a history, a row each)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="draw reserved and live memory over time (needs matplotlib)")
@@ -148,16 +154,19 @@ def plot(results: Sequence[ReplayResult], path: str) -> None:
 
 def run(args: argparse.Namespace) -> None:
     configs: list[str | None] = args.config or [None]
-    jobs = len(args.traces) * len(configs)
-    progress = _Progress(jobs, sys.stderr) if sys.stderr.isatty() else None
+    progress = None
     results = []
     try:
+        traces: list[Trace] = []
         for path in args.traces:
-            trace: Trace = load(path)
+            traces += load_each(path) if args.device is None else [load(path, args.device)]
+        if sys.stderr.isatty():
+            progress = _Progress(len(traces) * len(configs), sys.stderr)
+        for trace in traces:
             for config in configs:
                 if progress:
                     label = config or DEFAULT_CONFIG_LABEL
-                    progress.show(len(results), f"{os.path.basename(path)} ({label})")
+                    progress.show(len(results), f"{os.path.basename(trace.name)} ({label})")
                 results.append(replay(trace, config, args.capacity, args.min_capacity))
     except (ValueError, OSError) as error:
         raise SystemExit(f"gpupool replay: {error}") from None

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Union
 from gpupool import _native
 from gpupool._native import ReplayResult
 
-__all__ = ["Event", "ReplayResult", "Trace", "from_snapshot", "load", "replay"]
+__all__ = ["Event", "ReplayResult", "Trace", "from_snapshot", "load", "load_each", "replay"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _PICKLE_PROTOCOL_2_OR_LATER = 0x80
@@ -154,7 +154,21 @@ def load(path: PathLike, device: int | None = None) -> Trace:
     path = os.fspath(path)  # an int would be opened as a file descriptor, and closed
     if _is_pickle(path):
         return from_snapshot(_read_pickle(path), device=device, name=path)
+    if device not in (None, 0):
+        raise ValueError(f"{path}: an RMM CSV holds one device's allocations; there is no device {device}")
     return Trace(_native.Trace.read_csv(path))
+
+
+def load_each(path: PathLike) -> list[Trace]:
+    """Like ``load``, but a snapshot of several devices gives one trace per device with trace
+    entries (a job on several GPUs records them all in one file), in device order."""
+    path = os.fspath(path)
+    if not _is_pickle(path):
+        return [Trace(_native.Trace.read_csv(path))]
+    snapshot = _read_pickle(path)
+    traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
+    recorded = [i for i, t in enumerate(traces) if t] if isinstance(traces, list) else []
+    return [from_snapshot(snapshot, device=d, name=path) for d in recorded or [None]]
 
 
 Row = tuple[str, int, int, int, float]
