@@ -125,6 +125,18 @@ def test_bad_capacity_is_named(capacity):
         gpupool.Pool("sim", capacity=capacity)
 
 
+@pytest.mark.parametrize("device", ["sim", "host"])
+@pytest.mark.parametrize("strategy", ["default", "pages", "expandable"])
+def test_a_page_larger_than_the_device_is_named(device, strategy):
+    config = f"strategy:{strategy},page_size_mb:64"
+    message = rf"page_size_mb: strategy {strategy} maps pages of 64\.00 MiB, more than .*32\.00 MiB"
+    with pytest.raises(ValueError, match=message):
+        gpupool.Pool(device, capacity="32MiB", config=config)
+    # A page the device can hold is accepted, and used.
+    with gpupool.Pool(device, capacity="64MiB", config=config).alloc(1 << 20) as ptr:
+        assert ptr.size == 1 << 20
+
+
 def test_unknown_config_key_is_named():
     with pytest.raises(ValueError, match="no_such_knob"):
         gpupool.Pool("host", config="no_such_knob:1")

@@ -10,7 +10,7 @@ use super::trace::device_trace;
 use crate::core::{BlockState, Metric, StatType};
 use crate::device::{Device, FaultPlan, FaultSetting, Faulty};
 use crate::pool::HistoryEntry;
-use crate::pool::{Backend, Config, Pool, Setting, DEFAULT_STREAM, ENV_VAR};
+use crate::pool::{format_bytes, Backend, Config, Pool, Setting, DEFAULT_STREAM, ENV_VAR};
 use crate::trace::{csv, Trace};
 use pyo3::exceptions::{PyAssertionError, PyOSError};
 use pyo3::prelude::*;
@@ -205,8 +205,22 @@ impl PyPool {
             }
             let host_accessible = backend.host_accessible();
             let device = backend.name().to_string();
+            let total = backend.memory_info().total;
+            let pool = Pool::new(backend, config);
+            // A paged pool maps whole pages: one larger than the device would fail every request
+            // with an out-of-memory error that blames nothing.
+            if let (Some(paging), Some(total)) = (pool.config().paging, total) {
+                let page = paging.page.into_iter().min().unwrap_or(0);
+                if page > total {
+                    let (page, total) = (format_bytes(page), format_bytes(total));
+                    let strategy = pool.config().strategy.name();
+                    return Err(value_error(format!(
+                        "page_size_mb: strategy {strategy} maps pages of {page}, more than {device}'s {total}"
+                    )));
+                }
+            }
             // Pre-allocation (`initial_pool_size_mb`) calls the device.
-            let pool = ManuallyDrop::new(GilLock::new(Pool::new(backend, config)));
+            let pool = ManuallyDrop::new(GilLock::new(pool));
             PyResult::Ok(Shared { pool, device, capacity, host_accessible })
         })?;
         Ok(PyPool { shared: Arc::new(shared) })
