@@ -638,3 +638,20 @@ fn segments_go_back_only_once_their_stream_is_done() {
     assert_eq!(reserved(&pool), 0, "once the stream is done, the watermark gives everything back");
     assert_eq!(fake.violations(), before);
 }
+
+/// Synchronizing a context while one of its streams captures is invalid in every capture mode
+/// (and the graph may still use the memory): a device closed then leaves everything to the
+/// driver, whether its own stream captures or a blocking stream of the context does.
+#[test]
+fn closing_during_a_capture_leaves_it_valid() {
+    for own in [true, false] {
+        let (mut cuda, _turn) = open();
+        let fake = fake();
+        let side = cuda.create_stream().unwrap();
+        let handle = if own { cuda.stream_handle(side).unwrap() } else { fake.blocking_stream() };
+        cuda.allocate(MIB).unwrap();
+        assert!(fake.capture(handle, true));
+        drop(cuda);
+        assert!(fake.capture(handle, false), "closing invalidated the capture (own stream: {own})");
+    }
+}

@@ -233,6 +233,14 @@ impl Cuda {
         check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(raw.handle as sys::CUevent) })
     }
 
+    /// Whether the legacy stream (which counts while a blocking stream of the context captures)
+    /// or a stream made here is being captured. Imported streams are not asked: their owner may
+    /// have destroyed them.
+    fn own_streams_capturing(&mut self) -> bool {
+        let own: Vec<StreamId> = self.streams.iter().filter(|(_, raw)| raw.owned).map(|(&id, _)| id).collect();
+        own.into_iter().chain([DEFAULT_STREAM]).any(|s| self.is_capturing(s).unwrap_or(false))
+    }
+
     /// Waits for all work in the device's context: before memory goes back at teardown, when
     /// streams imported from elsewhere may still be running kernels on it.
     fn synchronize_context(&self) -> Result<(), DeviceError> {
@@ -529,9 +537,10 @@ impl Drop for Cuda {
     /// kernels on this memory), then returns everything still held. Errors are ignored because
     /// the driver may already be shutting down at process exit, when nothing is left to protect;
     /// if even waiting fails, the memory is left to the driver rather than freed under running
-    /// work.
+    /// work. So it is during a capture: synchronizing the context would invalidate it (in every
+    /// capture mode), and its graph may still use the memory.
     fn drop(&mut self) {
-        if self.synchronize_context().is_err() {
+        if self.own_streams_capturing() || self.synchronize_context().is_err() {
             return;
         }
         // Other devices' streams the pool still waits for, each from its own context.
