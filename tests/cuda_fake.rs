@@ -655,3 +655,23 @@ fn closing_during_a_capture_leaves_it_valid() {
         assert!(fake.capture(handle, false), "closing invalidated the capture (own stream: {own})");
     }
 }
+
+/// During a global-mode capture on one stream, a thread in the default (global) mode may not
+/// allocate from the driver: the call fails and invalidates the capture. Memory for another
+/// stream is invisible to the capture, so the backend asks for it in relaxed mode, as PyTorch
+/// does, for plain segments and for pages alike.
+#[test]
+fn allocations_during_a_global_capture_leave_it_valid() {
+    for config in ["strategy:pytorch", "strategy:expandable"] {
+        let (cuda, _turn) = open();
+        let fake = fake();
+        let mut pool = Pool::new(cuda, Config::parse(config).unwrap());
+        let side = pool.create_stream().unwrap();
+        let handle = pool.device().stream_handle(side).unwrap();
+        assert!(fake.capture_in_mode(handle, true, 0));
+        let a = pool.alloc_on(4 * MIB, DEFAULT_STREAM).unwrap();
+        assert!(fake.capture_in_mode(handle, false, 0), "{config}: gpupool invalidated the capture");
+        pool.free(a.handle).unwrap();
+        pool.check_invariants().unwrap();
+    }
+}

@@ -281,8 +281,11 @@ impl Device for Cuda {
         let _current = self.context.enter()?;
         let mut address = 0;
         match self.mode {
-            // SAFETY: the context is current; the pointer is valid for one write.
-            Mode::Direct => check_alloc("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut address, bytes) }, size)?,
+            Mode::Direct => {
+                let _relaxed = driver::relax_capture_mode();
+                // SAFETY: the context is current; the pointer is valid for one write.
+                check_alloc("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut address, bytes) }, size)?
+            }
             Mode::Async => check_alloc(
                 "cuMemAllocAsync",
                 // SAFETY: as above; the symbol exists (checked when the device opened) and the

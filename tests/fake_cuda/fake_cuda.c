@@ -12,9 +12,10 @@
  *     a pending kernel; a kernel, when it runs, checks that its range is still backed by the
  *     allocations it was given. Each breach is a violation (fake_cuda_violations);
  *   - stream capture: queries and synchronization of a capturing stream (or of its context, in
- *     any mode), and unsafe calls (synchronous allocation, copies, frees, mapping) during a
- *     global-mode capture, fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the
- *     capture; while a blocking stream captures, the legacy stream is unusable
+ *     any mode), and unsafe calls (synchronous allocation, copies, frees, mapping) that the
+ *     calling thread's capture mode forbids (cuThreadExchangeStreamCaptureMode; in the default
+ *     global mode: during its own capture or any global-mode capture), fail with
+ *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture; while a blocking stream captures, the legacy stream is unusable
  *     (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT); a stream that waits for an event recorded in a
  *     capture joins it, and a capture that ends before its joined streams is invalid;
  *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
@@ -120,7 +121,8 @@ struct stream {
     unsigned int flags; /* 1: non-blocking (no implicit order with the legacy stream) */
     unsigned long long enqueued, completed;
     struct op *head, *tail;
-    int capturing, capture_global, capture_invalid;
+    int capturing, capture_mode, capture_invalid;
+    pthread_t capture_thread; /* the thread that began the capture */
     struct stream *joined; /* the capture this stream joined by waiting for one of its events */
 };
 
@@ -151,7 +153,9 @@ static struct reservation reservations[256];
 static struct { ino_t inode; struct physical *physical; } exports[MAX_ITEMS];
 static int reservation_count;
 static unsigned long long next_serial = 1, next_order = 1;
-static int global_captures;
+/* The calling thread's capture interaction mode (cuThreadExchangeStreamCaptureMode): 0 global,
+ * the default; 1 thread-local; 2 relaxed. */
+static __thread int capture_mode;
 
 /* ---- switches, call counters, violations ---- */
 
@@ -414,12 +418,22 @@ static void invalidate_capture(struct stream *s) {
     if (s->capturing) s->capture_invalid = 1;
 }
 
-/* Unsafe calls during a global-mode capture invalidate it (cudaStreamCaptureModeGlobal). */
+/* Whether the calling thread is prohibited from "potentially unsafe" calls, by its mode: in
+ * global mode by a capture of its own not begun relaxed or by any thread's global-mode capture,
+ * in thread-local mode by its own only, in relaxed mode never. Those captures are invalidated.
+ * (Streams that joined a capture are counted through the stream that began it.) */
 static int capture_forbids_unsafe_calls(void) {
-    if (!global_captures) return 0;
-    for (int i = 0; i < MAX_ITEMS; i++)
-        if (streams[i] && streams[i]->capturing && streams[i]->capture_global) invalidate_capture(streams[i]);
-    return 1;
+    int forbidden = 0;
+    for (int i = 0; i < MAX_ITEMS && capture_mode != 2; i++) {
+        struct stream *s = streams[i];
+        if (!s || !s->capturing || s->joined) continue;
+        int own = pthread_equal(s->capture_thread, pthread_self()) && s->capture_mode != 2;
+        if (own || (capture_mode == 0 && s->capture_mode == 0)) {
+            invalidate_capture(s);
+            forbidden = 1;
+        }
+    }
+    return forbidden;
 }
 
 /* While a blocking stream captures, the legacy stream is unusable: asking about it fails, and
@@ -863,8 +877,18 @@ CUresult cuStreamBeginCapture_v2(void *handle, int mode) {
     if (s->capturing || mode < 0 || mode > 2) FAIL(CUDA_ERROR_INVALID_VALUE);
     s->capturing = 1;
     s->capture_invalid = 0;
-    s->capture_global = mode == 0;
-    global_captures += mode == 0;
+    s->capture_mode = mode;
+    s->capture_thread = pthread_self();
+    LEAVE;
+}
+
+/* Sets the calling thread's capture interaction mode, handing back the one it replaces. */
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    ENTER(0);
+    if (!mode || *mode < 0 || *mode > 2) FAIL(CUDA_ERROR_INVALID_VALUE);
+    int previous = capture_mode;
+    capture_mode = *mode;
+    *mode = previous;
     LEAVE;
 }
 
@@ -874,8 +898,7 @@ CUresult cuStreamEndCapture(void *handle, void **graph) {
     struct stream *s = stream_of(handle);
     if (!s || !graph) FAIL(CUDA_ERROR_INVALID_VALUE);
     if (!s->capturing) FAIL(CUDA_ERROR_INVALID_VALUE);
-    global_captures -= s->capture_global;
-    s->capturing = s->capture_global = 0;
+    s->capturing = 0;
     for (int i = 0; i < MAX_ITEMS; i++)
         if (streams[i] && streams[i]->joined == s) { /* never joined back: an invalid graph */
             streams[i]->capturing = 0;

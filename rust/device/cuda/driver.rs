@@ -144,6 +144,37 @@ pub fn require_symbols(names: &[&str], feature: &str) -> Result<(), DeviceError>
         .map_err(|e| DeviceError::Driver(format!("{feature} unavailable: {e}")))
 }
 
+/// Makes the calling thread's stream-capture mode relaxed until the guard drops, which gives the
+/// thread its own mode back. While any thread captures in global mode (the default), a thread in
+/// that mode may not allocate from the driver (`cuMemAlloc`, `cuMemCreate`, `cuMemMap`): the call
+/// fails and invalidates the capture. Memory the pool asks for is invisible to every capture (it
+/// allocates for no capturing stream, and a graph keeps the addresses it saw), so, as PyTorch
+/// does, it relaxes only its own thread for the call. Every driver gpupool accepts has the call;
+/// a stand-in without it leaves the mode as it is rather than failing the device.
+pub fn relax_capture_mode() -> RelaxedCapture {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    let present = *PRESENT.get_or_init(|| require_symbols(&["cuThreadExchangeStreamCaptureMode"], "").is_ok());
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: the symbol exists (checked above); one mode read and written through a valid pointer.
+    let swapped = present && is(unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }, CUresult::CUDA_SUCCESS);
+    RelaxedCapture { previous: swapped.then_some(mode) }
+}
+
+/// The thread's capture mode before [`relax_capture_mode`], restored on drop.
+#[must_use = "the thread's capture mode is relaxed only while the guard lives"]
+pub struct RelaxedCapture {
+    previous: Option<sys::CUstreamCaptureMode>,
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.previous {
+            // SAFETY: as in `relax_capture_mode`; puts back the mode the driver handed over.
+            let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}
+
 /// The statuses the bindings name (CUDA 12.8's `CUresult`). A newer driver returns others (CUDA
 /// 13 added some), which the bindings' enum then holds without a name: such a value must never
 /// be printed as the enum, whose formatting assumes a named one (a status of 36 crashed the

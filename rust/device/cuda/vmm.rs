@@ -152,6 +152,7 @@ impl Cuda {
         let page = self.page_size()?;
         let size = size.max(1).checked_next_multiple_of(page).ok_or(DeviceError::OutOfMemory { requested: size })?;
         let _current = self.context.enter()?;
+        let _relaxed = driver::relax_capture_mode();
         let mut base = 0;
         // SAFETY: the context is current; the driver picks the address (hint 0).
         check_alloc(
@@ -251,6 +252,7 @@ impl Cuda {
         super::check_capacity(self.capacity, self.held, size)?;
         let access = self.access()?;
         let _current = self.context.enter()?;
+        let _relaxed = driver::relax_capture_mode();
         let prop = allocation_properties(self.ordinal(), self.reservations.options.shareable);
         let mut mapped = Vec::new();
         let outcome = handles(address, size, handle).try_for_each(|(at, len)| {
