@@ -739,6 +739,26 @@ def test_a_failed_unmap_leaves_no_block_on_unbacked_pages(fake):
     assert result["violations"] == 0
 
 
+def test_a_failed_unmap_at_close_keeps_its_range_reserved(fake):
+    # Teardown ignores errors, but a range with a mapping left in it must not be freed.
+    result = fake_driver.run(
+        """
+        import gc
+        pool = gpupool.Pool("cuda:0", config="strategy:expandable")
+        pool.alloc(7 << 20).free()
+        unmapped = calls("cuMemUnmap")
+        del pool
+        gc.collect()
+        report(unmapped=unmapped, violations=violations(), mappings=mappings())
+        """,
+        fake,
+        fail_unmap=1,
+    )
+    assert result["unmapped"] == 0, "the cached pages stay mapped until the pool closes"
+    assert result["mappings"] > 0, "the failed unmap left a mapping"
+    assert result["violations"] == 0
+
+
 def test_shareable_handles_and_peer_access(fake):
     result = fake_driver.run(
         """

@@ -57,15 +57,20 @@ impl Reservations {
     }
 
     /// Unmaps and frees everything (when the device closes, after its work finished); errors are
-    /// ignored.
+    /// ignored, but a range whose unmap failed stays reserved: the driver frees only a range with
+    /// nothing mapped in it.
     pub fn release_all(&mut self) {
         for (base, r) in std::mem::take(&mut self.by_base) {
+            let mut unmapped = true;
             for (&address, &size) in &r.mappings {
                 // SAFETY: a mapping of ours, unmapped once; its handle was released when mapped.
-                let _ = unsafe { sys::cuMemUnmap(address, size as usize) };
+                let code = unsafe { sys::cuMemUnmap(address, size as usize) };
+                unmapped &= driver::is(code, sys::CUresult::CUDA_SUCCESS);
             }
-            // SAFETY: a range we reserved, now without mappings, freed once.
-            let _ = unsafe { sys::cuMemAddressFree(base, r.size as usize) };
+            if unmapped {
+                // SAFETY: a range we reserved, now without mappings, freed once.
+                let _ = unsafe { sys::cuMemAddressFree(base, r.size as usize) };
+            }
         }
     }
 }
