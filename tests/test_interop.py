@@ -78,6 +78,9 @@ def test_views_have_dtype_and_shape(pool):
     assert np.asarray(ptr.view("int16")).shape == (48,)
     assert np.asarray(ptr.view("complex64", 12)).dtype == np.complex64
     assert np.from_dlpack(ptr.view("bool", (2, 3))).dtype == np.bool_
+    # Extents are integers as NumPy takes them, NumPy's own among them.
+    assert ptr.view("float32", np.int64(24)).shape == (24,)
+    assert ptr.view("float32", (np.int32(4), np.uint8(6))).shape == (4, 6)
 
 
 @pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.0.0", reason="NumPy 1 passes no copy argument")
@@ -101,6 +104,11 @@ def test_asarray_copies_only_when_asked_or_converting(pool):
         ("float32", (-1, 2), ValueError),
         (">f4", None, TypeError),
         ("U4", None, TypeError),
+        # Read extent by extent, a string was a shape ("12" gave (1, 2)) and a float was cut short.
+        ("uint8", "12", TypeError),
+        ("uint8", (2.7,), TypeError),
+        ("uint8", 2.5, TypeError),
+        ("uint8", (True, 3), TypeError),
     ],
 )
 def test_bad_views_are_refused(pool, dtype, shape, error):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 from gpupool._native import DevicePtr
@@ -38,6 +39,23 @@ def _typestr(dtype: Any) -> str:
     return typestr
 
 
+def _extents(shape: Any) -> tuple[int, ...]:
+    """``shape`` as NumPy reads one: an integer or a sequence of them. A string would iterate as
+    digits ("12" as (1, 2)) and ``int()`` would cut a float short, so both are refused."""
+    try:
+        return (_extent(shape, shape),)
+    except TypeError:
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    return tuple(_extent(extent, shape) for extent in shape)
+
+
+def _extent(value: Any, shape: Any) -> int:
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"shape {shape!r} has an extent that is not an int: {value!r}")
+    return operator.index(value)
+
+
 class View:
     """``shape`` elements of ``dtype`` at the start of ``ptr``, C-contiguous.
 
@@ -55,11 +73,7 @@ class View:
     def __init__(self, ptr: DevicePtr, dtype: Any, shape: int | tuple[int, ...] | None = None) -> None:
         typestr = _typestr(dtype)
         itemsize = int(typestr[2:])
-        if shape is None:
-            shape = (ptr.size // itemsize,)
-        elif isinstance(shape, int):
-            shape = (shape,)
-        shape = tuple(int(extent) for extent in shape)
+        shape = (ptr.size // itemsize,) if shape is None else _extents(shape)
         if any(extent < 0 for extent in shape):
             raise ValueError(f"shape {shape} has a negative extent")
         if math.prod(shape) * itemsize > ptr.size:
