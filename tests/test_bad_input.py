@@ -32,11 +32,28 @@ def test_negative_size_is_a_value_error(pool):
     check_pool(pool, [])
 
 
-@pytest.mark.parametrize("size", [1.5, "x", None, b"12"])
+# A bool is an int to Python, but as a size it is a mistake: PyTorch and NumPy refuse it too.
+@pytest.mark.parametrize("size", [1.5, "x", None, b"12", True, np.float64(8.0), np.array([8, 8])])
 def test_non_integer_size_is_a_type_error(pool, size):
     with pytest.raises(TypeError):
         pool.alloc(size)
     check_pool(pool, [])
+
+
+def test_numpy_integers_are_sizes_with_the_same_checks(pool):
+    # Sizes computed with NumPy (np.prod(shape) * itemsize) are NumPy integers.
+    ptr = pool.alloc(np.int64(1000))
+    assert ptr.size == 1000
+    ptr.copy_from_host(b"abcd", np.uint16(2))
+    assert ptr.copy_to_host(np.int32(2), np.uint8(4)) == b"abcd"
+    with pytest.raises(ValueError, match="non-negative"):
+        pool.alloc(np.int64(-1))
+    with pytest.raises(ValueError, match="absurdly large"):
+        pool.alloc(np.uint64(2**63))
+    with pytest.raises(TypeError, match="offset must be an int, not bool"):
+        ptr.copy_to_host(True)
+    assert gpupool.Pool("sim", capacity=np.int64(1 << 30)).capacity == 1 << 30
+    check_pool(pool, [ptr])
 
 
 @pytest.mark.parametrize("size", [2**62 + 1, 2**64, 2**70])

@@ -2,8 +2,9 @@
 
 use crate::device::DeviceError;
 use crate::pool::PoolError;
-use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt};
 
 pyo3::create_exception!(gpupool, OutOfMemoryError, PyMemoryError, "The device cannot provide the requested memory.");
 
@@ -60,12 +61,15 @@ pub fn left_by_fork(device: &str, cuda: bool) -> PyErr {
     PyRuntimeError::new_err(format!("the pool on '{device}' was made before this process forked: {why}"))
 }
 
-/// A non-negative integer size; floats and strings are a TypeError, negatives a ValueError.
+/// A non-negative integer size; floats, strings and bools are a TypeError, negatives a ValueError.
 pub fn size_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    if !value.is_instance_of::<pyo3::types::PyInt>() {
-        let kind = value.get_type().name()?;
-        return Err(pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {kind}")));
-    }
+    let index;
+    let value = if value.is_instance_of::<PyInt>() && !value.is_instance_of::<PyBool>() {
+        value
+    } else {
+        index = integer_index(value, what)?;
+        &index
+    };
     // Most sizes fit a u64: one C call. Only negatives and huge values take the slower path
     // that tells them apart.
     if let Ok(n) = value.extract::<u64>() {
@@ -81,4 +85,16 @@ pub fn size_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
         return Err(PyValueError::new_err(format!("{what} {n} is absurdly large (limit 2**62)")));
     }
     Ok(n as u64)
+}
+
+/// A size of another integer type (NumPy's, as `np.prod(shape) * itemsize` gives) as an int,
+/// through `__index__` as PyTorch and NumPy read sizes. A bool is an int to Python, but as a
+/// size it is a mistake, which they refuse too.
+#[cold]
+fn integer_index<'py>(value: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
+    if value.is_instance_of::<PyBool>() || !value.hasattr("__index__")? {
+        let kind = value.get_type().name()?;
+        return Err(PyTypeError::new_err(format!("{what} must be an int, not {kind}")));
+    }
+    value.py().import("operator")?.getattr("index")?.call1((value,))
 }
