@@ -114,6 +114,15 @@ def test_a_csv_and_a_loaded_trace_are_advised_too(tmp_path):
     assert from_path.top_sites == [("(no Python frame recorded)", 20 * MiB)]
 
 
+def test_a_report_that_cannot_be_written_exits_with_a_message(tmp_path, capsys):
+    csv = tmp_path / "job.csv"
+    csv.write_text(f"Thread,Time,Action,Pointer,Size,Stream\n0,0,allocate,0x1000,{8 * MiB},0x0\n")
+    report = tmp_path / "missing" / "report.html"
+    with pytest.raises(SystemExit, match=r"gpupool advise: cannot write .*report\.html: .*No such file"):
+        cli.main(["advise", str(csv), "--html", str(report)])
+    assert "job.csv" in capsys.readouterr().out, "the report printed before the page was written"
+
+
 class Exploit:
     """Unpickling this would run a shell command."""
 

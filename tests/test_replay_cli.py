@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import pathlib
 import pickle
+import sys
+import types
+from unittest import mock
 
+import numpy as np
 import pytest
 
 import gpupool
@@ -89,6 +93,25 @@ def test_plot_draws_a_png(tmp_path, trace_file):
     configs = ["--config", "", "--config", "max_split_size_mb:20"]
     assert cli.main(["replay", str(trace_file), *configs, "--plot", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_plot_that_cannot_be_written_exits_with_a_message(tmp_path, trace_file, monkeypatch, capsys):
+    # A stand-in for matplotlib whose figure writes where it is told, as savefig does.
+    pyplot = types.ModuleType("matplotlib.pyplot")
+    figure = types.SimpleNamespace(tight_layout=lambda: None, savefig=lambda path: open(path, "wb").close())
+    axes = np.empty((1, 1), dtype=object)
+    axes[0, 0] = mock.MagicMock()
+    pyplot.subplots = lambda *_, **__: (figure, axes)
+    pyplot.close = lambda _: None
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.use, matplotlib.pyplot = (lambda _: None), pyplot
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    assert cli.main(["replay", str(trace_file), "--plot", str(tmp_path / "drawn.png")]) == 0
+    assert (tmp_path / "drawn.png").exists()
+    with pytest.raises(SystemExit, match=r"gpupool replay: cannot write .*memory\.png: .*No such file"):
+        cli.main(["replay", str(trace_file), "--plot", str(tmp_path / "missing" / "memory.png")])
+    assert "small.csv" in capsys.readouterr().out, "the table printed before the plot was drawn"
 
 
 def test_reads_the_shared_traces(capsys):

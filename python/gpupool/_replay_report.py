@@ -175,4 +175,7 @@ def run(args: argparse.Namespace) -> None:
             progress.close()
     print(json.dumps([as_dict(r) for r in results], indent=2) if args.json else table(results, args.min_capacity))
     if args.plot:
-        plot(results, args.plot)
+        try:
+            plot(results, args.plot)
+        except OSError as error:
+            raise SystemExit(f"gpupool replay: cannot write {args.plot}: {error.strerror or error}") from None

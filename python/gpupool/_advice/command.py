@@ -74,5 +74,8 @@ def run(args: argparse.Namespace) -> None:
     else:
         print("\n\n".join(table.report(a) for a in advices))
     if args.html:
-        with open(args.html, "w", encoding="utf-8") as out:
-            out.write(page.render(advices))
+        try:
+            with open(args.html, "w", encoding="utf-8") as out:
+                out.write(page.render(advices))
+        except OSError as error:
+            raise SystemExit(f"gpupool advise: cannot write {args.html}: {error.strerror or error}") from None
