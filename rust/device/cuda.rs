@@ -340,13 +340,15 @@ impl Device for Cuda {
 
     fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
         let _current = self.context.enter()?;
+        // The id first: a stream the driver made and no id names would never be destroyed.
+        let mut next = self.next_stream;
+        let id = super::take_stream_id(&mut next)?;
         let mut raw = std::ptr::null_mut();
         let non_blocking = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: the context is current; a non-blocking stream, as frameworks make them: nothing
         // here relies on the legacy stream's implicit ordering.
         check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut raw, non_blocking) })?;
-        let id = self.next_stream;
-        self.next_stream += 1;
+        self.next_stream = next;
         self.streams.insert(id, RawStream { handle: raw as u64, owned: true, context: self.context.raw() });
         Ok(id)
     }
@@ -453,8 +455,7 @@ impl Device for Cuda {
             check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(handle as sys::CUstream, &mut context) })?;
             context as u64
         };
-        let id = self.next_stream;
-        self.next_stream += 1;
+        let id = super::take_stream_id(&mut self.next_stream)?;
         self.streams.insert(id, RawStream { handle, owned: false, context });
         Ok(id)
     }

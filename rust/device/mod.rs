@@ -44,6 +44,20 @@ pub type StreamId = u32;
 pub type EventId = u64;
 /// The stream that exists on every device from the start.
 pub const DEFAULT_STREAM: StreamId = 0;
+/// Ids from here up name the pool's own owners of free blocks (`core::SHARED`, `core::NIL`), and
+/// the pool indexes per-stream tables by id: a device numbers at most this many streams.
+pub const STREAM_IDS: StreamId = u32::MAX - 1;
+
+/// Takes the id `next` holds for a new stream and advances it; ids are never reused, so after
+/// [`STREAM_IDS`] streams a device refuses more instead of wrapping onto live ones.
+pub fn take_stream_id(next: &mut StreamId) -> Result<StreamId, DeviceError> {
+    let id = *next;
+    if id >= STREAM_IDS {
+        return Err(DeviceError::Unsupported("more than 4,294,967,294 streams in its lifetime"));
+    }
+    *next = id + 1;
+    Ok(id)
+}
 
 use std::fmt;
 

@@ -64,8 +64,7 @@ impl SimStreams {
     }
 
     pub fn create_stream(&mut self) -> Result<StreamId, DeviceError> {
-        let s = self.next_stream;
-        self.next_stream += 1;
+        let s = super::take_stream_id(&mut self.next_stream)?;
         self.streams.insert(s, StreamState::default());
         Ok(s)
     }
@@ -233,6 +232,17 @@ mod tests {
         st.destroy_stream(a).unwrap();
         assert_eq!(st.record_event(a), Err(DeviceError::InvalidStream(a)));
         assert_eq!(st.query_event(999), Err(DeviceError::InvalidEvent(999)));
+    }
+
+    #[test]
+    fn stream_ids_run_out_instead_of_wrapping_onto_live_streams() {
+        let mut st = SimStreams { next_stream: crate::device::STREAM_IDS - 2, ..SimStreams::default() };
+        let (a, b) = (st.create_stream().unwrap(), st.create_stream().unwrap());
+        assert_eq!((a, b), (u32::MAX - 3, u32::MAX - 2));
+        assert!(matches!(st.create_stream(), Err(DeviceError::Unsupported(_))));
+        st.destroy_stream(a).unwrap();
+        assert!(matches!(st.create_stream(), Err(DeviceError::Unsupported(_))), "ids are never reused");
+        assert!(st.query_stream(b).unwrap() && st.query_stream(DEFAULT_STREAM).unwrap());
     }
 
     #[test]
