@@ -66,6 +66,8 @@ def test_pool_properties_and_repr():
         ("80GiB", 80 << 30),
         ("512MiB", 512 * MiB),
         ("1.5GB", 1_500_000_000),
+        ("4096.0", 4096),
+        ("0.5MiB", 512 * KiB),
         ("64KiB", 64 * KiB),
     ],
 )

@@ -136,7 +136,7 @@ def test_sim_needs_a_capacity():
         gpupool.Pool("sim")
 
 
-@pytest.mark.parametrize("capacity", ["12 parsecs", "", "-1GiB", "GiB", -1])
+@pytest.mark.parametrize("capacity", ["12 parsecs", "", "-1GiB", "GiB", -1, "1.5", "4096.5B"])
 def test_bad_capacity_is_named(capacity):
     with pytest.raises(ValueError, match="capacity"):
         gpupool.Pool("sim", capacity=capacity)

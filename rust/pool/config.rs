@@ -322,6 +322,10 @@ pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
         .ok()
         .filter(|v: &f64| v.is_finite() && *v >= 0.0)
         .ok_or_else(|| ConfigError(format!("'{text}' is not a size such as 80GiB")))?;
+    // A fraction of a larger unit rounds down to whole bytes; a fraction of a byte is a typo.
+    if scale == 1 && value.fract() != 0.0 {
+        return Err(ConfigError(format!("'{text}' is not a whole number of bytes")));
+    }
     let bytes = value * scale as f64;
     if bytes > crate::core::Rules::MAX_REQUEST as f64 {
         return Err(ConfigError(format!("size '{text}' is absurdly large")));
@@ -342,5 +346,9 @@ mod size_tests {
         assert!(parse_size("12 parsecs").is_err());
         assert!(parse_size("-1GiB").is_err());
         assert!(parse_size("GiB").is_err());
+        assert!(parse_size("1.5").is_err());
+        assert!(parse_size("2.5B").is_err());
+        assert_eq!(parse_size("2.0").unwrap(), 2);
+        assert_eq!(parse_size("0.5KiB").unwrap(), 512);
     }
 }
