@@ -174,3 +174,20 @@ def test_the_environment_variable_applies_when_config_is_none(monkeypatch):
 def test_bad_settings_raise_value_error_naming_the_key(config, key):
     with pytest.raises(ValueError, match=key):
         sim(config)
+
+
+@pytest.mark.parametrize("complete", ["stream.synchronize", "stream.destroy", "pool.synchronize"])
+@pytest.mark.parametrize("config", ["strategy:direct", "strategy:pytorch,release_threshold:0"])
+def test_the_release_watermark_covers_frees_that_complete_later(complete, config):
+    # A free waiting for another stream's work completes outside `free`: the watermark applies
+    # then too, or `direct` would keep the block reserved until some later free.
+    pool = sim(config)
+    stream = pool.stream()
+    ptr = pool.alloc(3 * MiB)
+    stream.hold()
+    ptr.record_stream(stream)
+    ptr.free()
+    assert pool.memory_reserved() > 0
+    target, method = complete.split(".")
+    getattr(stream if target == "stream" else pool, method)()
+    assert pool.memory_reserved() == 0

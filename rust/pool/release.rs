@@ -19,11 +19,20 @@ impl<D: Device> Pool<D> {
     #[inline]
     pub(super) fn after_free(&mut self, segment: SegmentId) {
         if self.config.release_threshold.is_some() {
-            let _ = self.release_past_watermark(segment);
+            let _ = self.release_past_watermark(Some(segment));
         }
     }
 
-    fn release_past_watermark(&mut self, segment: SegmentId) -> Result<(), PoolError> {
+    /// The release watermark after frees that waited for other streams completed outside a
+    /// free (a synchronize, a stream's destroy): otherwise `direct` would keep their blocks
+    /// reserved until some later free.
+    pub(super) fn after_completions(&mut self) {
+        if self.config.release_threshold.is_some() {
+            let _ = self.release_past_watermark(None);
+        }
+    }
+
+    fn release_past_watermark(&mut self, segment: Option<SegmentId>) -> Result<(), PoolError> {
         let Some(threshold) = self.config.release_threshold else { return Ok(()) };
         if self.expandable.is_some() {
             // Expandable ranges give back pages, not segments.
@@ -39,7 +48,7 @@ impl<D: Device> Pool<D> {
             return Ok(());
         }
         // Usually the segment just freed is the only idle one: no need to look for the oldest.
-        if self.heap.is_idle(segment) && self.heap.idle_segment(segment).size == idle {
+        if let Some(segment) = segment.filter(|&s| self.heap.is_idle(s) && self.heap.idle_segment(s).size == idle) {
             return self.give_back(segment).map(drop);
         }
         for candidate in self.heap.idle_segments() {

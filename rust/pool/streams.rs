@@ -19,6 +19,7 @@ impl<D: Device> Pool<D> {
         self.deferred.forget_stream(stream);
         self.heap.retire_stream(stream);
         self.heap.hand_over(stream, DEFAULT_STREAM);
+        self.after_completions();
         Ok(())
     }
 
@@ -56,7 +57,9 @@ impl<D: Device> Pool<D> {
     /// Waits for `stream`, then returns whatever its completion made reusable.
     pub fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
         self.device.synchronize_stream(stream)?;
-        Ok(self.deferred.poll(&mut self.device, &mut self.heap, false)?)
+        self.deferred.poll(&mut self.device, &mut self.heap, false)?;
+        self.after_completions();
+        Ok(())
     }
 
     /// Marks a live allocation as used on `stream` too: freeing it will wait for that stream.
@@ -85,6 +88,7 @@ impl<D: Device> Pool<D> {
             self.deferred.fence_streams(&mut self.device, &mut self.heap, None)?;
             self.deferred.poll(&mut self.device, &mut self.heap, true)?;
         }
+        self.after_completions();
         Ok(())
     }
 
