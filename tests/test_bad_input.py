@@ -154,6 +154,21 @@ def test_a_page_larger_than_the_device_is_named(device, strategy):
         assert ptr.size == 1 << 20
 
 
+@pytest.mark.parametrize("strategy", ["pytorch", "eager"])
+def test_a_large_segment_larger_than_the_device_is_named(strategy):
+    config = f"strategy:{strategy},large_segment_size_mb:64"
+    message = rf"large_segment_size_mb: strategy {strategy} takes segments of 64\.00 MiB, more than sim's 32\.00 MiB"
+    with pytest.raises(ValueError, match=message):
+        gpupool.Pool("sim", capacity="32MiB", config=config)
+    # One the device can hold is accepted, and serves requests between 1 and 10 MiB.
+    pool = gpupool.Pool("sim", capacity="64MiB", config=config)
+    with pool.alloc(2 << 20):
+        assert pool.memory_reserved() == 64 << 20
+    # Strategies that never take such a segment ignore the key, as before.
+    with gpupool.Pool("sim", capacity="32MiB", config="strategy:bfc,large_segment_size_mb:64").alloc(2 << 20):
+        pass
+
+
 def test_unknown_config_key_is_named():
     with pytest.raises(ValueError, match="no_such_knob"):
         gpupool.Pool("host", config="no_such_knob:1")

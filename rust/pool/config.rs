@@ -250,6 +250,29 @@ impl Config {
         keys.build()
     }
 
+    /// Why a device of `total` bytes named `device` cannot serve this configuration, naming the
+    /// key: a paged strategy maps whole pages, and PyTorch's segment growth takes a large
+    /// segment for every request from 1 to 10 MiB. Either larger than the device would fail
+    /// those requests with an out-of-memory error that blames nothing. PyTorch's own 20 MiB
+    /// segment is only refused when set explicitly, so a small simulated device keeps working
+    /// for the other requests.
+    pub fn device_too_small(&self, device: &str, total: u64) -> Option<String> {
+        let name = self.strategy.name();
+        if let Some(page) = self.paging.map(|p| p.page.into_iter().min().unwrap_or(0)).filter(|&p| p > total) {
+            let (page, total) = (super::format_bytes(page), super::format_bytes(total));
+            return Some(format!("page_size_mb: strategy {name} maps pages of {page}, more than {device}'s {total}"));
+        }
+        let segment = self.rules.large_segment;
+        let set = segment != crate::core::Rules::pytorch().large_segment;
+        if self.rules.growth == crate::core::SegmentGrowth::PyTorch && set && segment > total {
+            let (segment, total) = (super::format_bytes(segment), super::format_bytes(total));
+            return Some(format!(
+                "large_segment_size_mb: strategy {name} takes segments of {segment}, more than {device}'s {total}"
+            ));
+        }
+        None
+    }
+
     /// Every effective setting under its config key, in a fixed order.
     pub fn entries(&self) -> Vec<(&'static str, Setting)> {
         let r = &self.rules;

@@ -10,7 +10,7 @@ use super::trace::device_trace;
 use crate::core::{BlockState, Metric, StatType};
 use crate::device::{Device, FaultPlan, FaultSetting, Faulty};
 use crate::pool::HistoryEntry;
-use crate::pool::{format_bytes, Backend, Config, Pool, Setting, DEFAULT_STREAM, ENV_VAR};
+use crate::pool::{Backend, Config, Pool, Setting, DEFAULT_STREAM, ENV_VAR};
 use crate::trace::{csv, Trace};
 use pyo3::exceptions::{PyAssertionError, PyOSError};
 use pyo3::prelude::*;
@@ -207,17 +207,8 @@ impl PyPool {
             let device = backend.name().to_string();
             let total = backend.memory_info().total;
             let pool = Pool::new(backend, config);
-            // A paged pool maps whole pages: one larger than the device would fail every request
-            // with an out-of-memory error that blames nothing.
-            if let (Some(paging), Some(total)) = (pool.config().paging, total) {
-                let page = paging.page.into_iter().min().unwrap_or(0);
-                if page > total {
-                    let (page, total) = (format_bytes(page), format_bytes(total));
-                    let strategy = pool.config().strategy.name();
-                    return Err(value_error(format!(
-                        "page_size_mb: strategy {strategy} maps pages of {page}, more than {device}'s {total}"
-                    )));
-                }
+            if let Some(why) = total.and_then(|total| pool.config().device_too_small(&device, total)) {
+                return Err(value_error(why));
             }
             // Pre-allocation (`initial_pool_size_mb`) calls the device.
             let pool = ManuallyDrop::new(GilLock::new(pool));
