@@ -344,7 +344,8 @@ def test_any_recorded_settings_give_a_configuration_gpupool_takes(recorded):
     [
         (-5, ValueError, "capacity must be non-negative, got -5"),
         (0, ValueError, "capacity must be positive"),
-        ("0.1", ValueError, "capacity must be positive"),
+        ("0.0001KiB", ValueError, "capacity must be positive"),
+        ("0.1", ValueError, "capacity: '0.1' is not a whole number of bytes"),
         (2**70, ValueError, f"capacity {2**70} is absurdly large"),
         (1.5, TypeError, "capacity must be an int, not float"),
     ],
