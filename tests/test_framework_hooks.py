@@ -787,3 +787,26 @@ def test_numba_a_failed_ipc_handle_leaves_no_descriptor_open(fake):
     )
     assert (result["identity"], result["handle"]) == (0, 0)
     assert not result["left_open"], "one descriptor failing to close leaves the rest open"
+
+
+def test_numba_a_pointer_from_before_a_reset_never_frees_a_newer_allocation(fake):
+    # A MemoryPointer made before a reset may die after the next initialize: its finalizer must
+    # find nothing to free, not the entry of a newer allocation that took the same key.
+    result = run(
+        (
+            """
+        import gpupool.numba
+        from numba import cuda
+        manager = gpupool.numba.GpupoolMemoryManager(cuda.context_for(0))
+        manager.initialize()
+        old = manager.memalloc(1 << 20)
+        manager.reset()
+        manager.initialize()
+        new = manager.memalloc(1 << 20)
+        old.free()                          # Numba finalizes the stale pointer
+        report(live=len(manager.allocations), allocated=manager.pool.memory_allocated())
+        """,
+        ),
+        fake,
+    )
+    assert result["live"] == 1 and result["allocated"] == 1 * MiB, "the new array's memory was freed under it"

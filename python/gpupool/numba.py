@@ -19,6 +19,9 @@ __all__ = ["GpupoolMemoryManager"]  # noqa: F822 - built on first access, by __g
 
 # The driver's handle for the legacy default stream (CU_STREAM_LEGACY).
 CU_STREAM_LEGACY = 1
+# Keys of the managers' allocation tables: never restarted, so a pointer made before a reset,
+# finalized after the next initialize, cannot take a newer allocation's entry with it.
+_allocation_keys = itertools.count()
 
 
 def _device_pointer(address: int) -> Any:
@@ -118,13 +121,12 @@ def _build() -> type:
             if self.pool is None:
                 self.pool = gpupool.Pool(f"cuda:{self.context.device.id}")
                 self._legacy = self.pool.external_stream(CU_STREAM_LEGACY)
-                self._keys = itertools.count()
 
         def memalloc(self, size: int) -> MemoryPointer:
             ptr = self.pool.alloc(size)
             # Keyed by a counter: every zero-byte allocation has address 0, and an id() can be
             # reused by a pointer allocated after a reset.
-            key = next(self._keys)
+            key = next(_allocation_keys)
             self.allocations[key] = ptr
             allocations, legacy = self.allocations, self._legacy
 
