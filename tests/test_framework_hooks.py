@@ -810,3 +810,30 @@ def test_numba_a_pointer_from_before_a_reset_never_frees_a_newer_allocation(fake
         fake,
     )
     assert result["live"] == 1 and result["allocated"] == 1 * MiB, "the new array's memory was freed under it"
+
+
+def test_cupy_out_of_memory_survives_pickling(fake):
+    # As CuPy's own error does: process pools and Dask carry a worker's exception back pickled.
+    result = run(
+        (
+            """
+        import pickle
+        import cupy
+        import gpupool.cupy
+        malloc = gpupool.cupy.allocator(gpupool.Pool("cuda:0", config="strategy:pytorch"))
+        try:
+            malloc(1 << 30)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            caught = e
+        try:
+            back = pickle.loads(pickle.dumps(caught))
+            outcome = [type(back) is type(caught), str(back) == str(caught), isinstance(back, gpupool.OutOfMemoryError)]
+        except Exception as e:
+            outcome = repr(e)
+        report(outcome=outcome)
+        """,
+        ),
+        fake,
+        memory=64 * MiB,
+    )
+    assert result["outcome"] == [True, True, True]

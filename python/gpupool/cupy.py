@@ -26,12 +26,22 @@ def _out_of_memory_class() -> type:
     class CupyOutOfMemoryError(OutOfMemoryError, gpupool.OutOfMemoryError):
         def __init__(self, size: int, total: int, report: str) -> None:
             OutOfMemoryError.__init__(self, size, total)
+            self.report = report
             self.args = (f"{self.args[0]} gpupool: {report}",)
 
         def __reduce__(self) -> tuple:
-            return (type(self), (self._size, self._total, self.args[0]))
+            return (type(self), (self._size, self._total, self.report))
 
+    # Pickled by reference, so under a name the module answers to (see __getattr__ below).
+    CupyOutOfMemoryError.__qualname__ = CupyOutOfMemoryError.__name__
     return CupyOutOfMemoryError
+
+
+def __getattr__(name: str) -> Any:
+    # The error class derives from CuPy's, so it is built on first access (unpickling asks here).
+    if name == "CupyOutOfMemoryError":
+        return _out_of_memory_class()
+    raise AttributeError(f"module 'gpupool.cupy' has no attribute {name!r}")
 
 
 def allocator(pool: gpupool.Pool | None = None) -> Callable[[int], Any]:
