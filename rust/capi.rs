@@ -16,7 +16,8 @@ use crate::pool::{Config, Pool, PoolError};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Once};
 
 /// Where the process-wide pools get their memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,7 +116,29 @@ struct Global {
 
 static GLOBAL: Mutex<Option<Global>> = Mutex::new(None);
 
+/// Set in a child forked after the process-wide pools were first reached: they are the
+/// parent's. Their CUDA contexts do not survive a fork, and a thread of the parent's may have
+/// held one of their locks then, which nothing in the child would ever release.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn mark_forked() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+/// The process-wide lock; every way to a pool starts here, so a forked child is refused here,
+/// before any lock or driver call.
 fn global() -> Result<MutexGuard<'static, Option<Global>>, String> {
+    static WATCH_FORKS: Once = Once::new();
+    // SAFETY: the handler runs in the child right after the fork, where only async-signal-safe
+    // code may run: an atomic store is.
+    WATCH_FORKS.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn()));
+    });
+    if FORKED.load(Ordering::Relaxed) {
+        return Err("the C ABI's pools were made before this process forked and are the parent's (a CUDA context \
+                    does not survive a fork): a forked child cannot use them"
+            .to_string());
+    }
     GLOBAL.lock().map_err(|_| "the global pool was left inconsistent by an earlier panic".to_string())
 }
 

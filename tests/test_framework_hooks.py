@@ -837,3 +837,50 @@ def test_cupy_out_of_memory_survives_pickling(fake):
         memory=64 * MiB,
     )
     assert result["outcome"] == [True, True, True]
+
+
+def test_a_forked_child_leaves_the_c_abis_pools_to_the_parent(fake):
+    # A child forked from a process using the hook (a DataLoader worker, say) cannot use the
+    # parent's CUDA context, and a parent's thread may have held a pool's lock at the fork:
+    # every entry point refuses at once, without a driver call or a wait.
+    result = run(
+        (
+            """
+        import os
+        _native._capi_configure("cuda", "strategy:pytorch")
+        lib = ctypes.CDLL(_native.__file__)
+        alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(
+            ctypes.cast(lib.gpupool_alloc, ctypes.c_void_p).value)
+        free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(
+            ctypes.cast(lib.gpupool_free, ctypes.c_void_p).value)
+        ptr = alloc(1 << 20, 0, None)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            names = ("cuMemAlloc_v2", "cuMemFree_v2", "cuCtxSynchronize", "cuEventRecord", "cuStreamGetCtx")
+            before = sum(calls(name) for name in names)
+            served = alloc(1 << 20, 0, None)
+            refused = _native._capi_last_error()
+            free(ptr, 1 << 20, 0, None)
+            try:
+                _native._capi_empty_cache()
+                emptied = "emptied"
+            except RuntimeError as e:
+                emptied = str(e)
+            after = sum(calls(name) for name in names)
+            os.write(write, json.dumps([served, refused, emptied, after - before]).encode())
+            os._exit(0)
+        os.close(write)
+        served, refused, emptied, child_calls = json.loads(os.read(read, 4096))
+        assert os.waitpid(pid, 0)[1] == 0
+        free(ptr, 1 << 20, 0, None)
+        report(served=served, refused=refused, emptied=emptied, child_calls=child_calls,
+               parent=_native._capi_last_error(), allocated=_native._capi_memory_stats(0)["allocation.all.current"])
+        """,
+        ),
+        fake,
+    )
+    assert result["served"] is None and "forked" in result["refused"]
+    assert "forked" in result["emptied"]
+    assert result["child_calls"] == 0, "the child drove the parent's CUDA context"
+    assert result["parent"] is None and result["allocated"] == 0, "the parent's pool is untouched"
