@@ -69,6 +69,8 @@ struct DeviceState {
     /// Frees the pool refused (a device call failed, and the free did not happen). The caller
     /// never frees an address twice, so they are retried at the device's next call.
     refused: Vec<Handle>,
+    /// Replaced by [`configure`]: a caller that found this state before then looks again.
+    closed: bool,
 }
 
 impl DeviceState {
@@ -146,9 +148,12 @@ fn lock(state: &SharedState) -> Result<MutexGuard<'_, DeviceState>, String> {
     state.lock().map_err(|_| "a device's pool was left inconsistent by an earlier panic".to_string())
 }
 
-/// Every device's pool, in no particular order (the process-wide lock is released on return).
+/// Every device's pool, in device order (the process-wide lock is released on return).
 fn all_devices() -> Result<Vec<SharedState>, String> {
-    Ok(global()?.as_ref().map(|g| g.devices.values().cloned().collect()).unwrap_or_default())
+    let mut devices: Vec<(c_int, SharedState)> =
+        global()?.iter().flat_map(|g| &g.devices).map(|(&device, state)| (device, state.clone())).collect();
+    devices.sort_by_key(|(device, _)| *device);
+    Ok(devices.into_iter().map(|(_, state)| state).collect())
 }
 
 /// Chooses the backend and configuration of the process-wide pools. Pools already opened are
@@ -156,29 +161,43 @@ fn all_devices() -> Result<Vec<SharedState>, String> {
 /// serve allocations.
 pub fn configure(backend: Backend, config: Config) -> Result<(), String> {
     let mut global = global()?;
-    for (device, state) in global.iter().flat_map(|g| &g.devices) {
-        let live = lock(state)?.live.len();
+    // Every device's lock at once, in device order (no one holding a device's lock waits for
+    // another's or for the process-wide one): none can gain an allocation between the check
+    // and the replacement.
+    let mut devices: Vec<(&c_int, &SharedState)> = global.iter().flat_map(|g| &g.devices).collect();
+    devices.sort_by_key(|(device, _)| **device);
+    let mut states = Vec::with_capacity(devices.len());
+    for (device, state) in devices {
+        let state = lock(state)?;
+        let live = state.live.len();
         if live > 0 {
             return Err(format!(
                 "the global pool of device {device} still serves {live} allocation(s); configure it before the first \
                  allocation"
             ));
         }
+        states.push(state);
+    }
+    for mut state in states {
+        state.closed = true;
     }
     *global = Some(Global { backend, config, devices: HashMap::new() });
     Ok(())
 }
 
-/// Runs `f` on device `device`'s pool, opened on first use. The pool is locked before the
-/// process-wide lock is let go, so [`configure`] (which holds that lock while it checks for live
-/// allocations) cannot replace it between the lookup and `f`: an allocation made in a replaced
-/// pool would dangle once that pool is dropped.
+/// Runs `f` on device `device`'s pool, opened on first use. The process-wide lock is let go
+/// before the device's is taken, so a device busy in a long call (a synchronizing
+/// `empty_cache`) stalls no other device's callers; a pool [`configure`] replaced meanwhile is
+/// closed, and the lookup starts again (an allocation made there would dangle once it is
+/// dropped).
 fn with_device<R, E: From<String>>(device: c_int, f: impl FnOnce(&mut DeviceState) -> Result<R, E>) -> Result<R, E> {
-    let mut global = global()?;
-    let state = device_state(&mut global, device)?;
-    let mut state = lock(&state)?;
-    drop(global);
-    f(&mut state)
+    loop {
+        let state = device_state(&mut *global()?, device)?;
+        let mut state = lock(&state)?;
+        if !state.closed {
+            return f(&mut state);
+        }
+    }
 }
 
 /// Device `device`'s pool, opened on first use; the caller holds the process-wide lock.
@@ -192,8 +211,13 @@ fn device_state(global: &mut Option<Global>, device: c_int) -> Result<SharedStat
         return Ok(state.clone());
     }
     let pool = Pool::new(g.backend.open(device, &g.config).map_err(|e| e.to_string())?, g.config.clone());
-    let state =
-        Arc::new(Mutex::new(DeviceState { pool, live: HashMap::new(), streams: HashMap::new(), refused: Vec::new() }));
+    let state = Arc::new(Mutex::new(DeviceState {
+        pool,
+        live: HashMap::new(),
+        streams: HashMap::new(),
+        refused: Vec::new(),
+        closed: false,
+    }));
     g.devices.insert(device, state.clone());
     Ok(state)
 }
@@ -359,15 +383,22 @@ pub fn memory_stats(device: c_int) -> Option<Vec<(String, i64)>> {
     Some(entries)
 }
 
-/// Returns the cached, fully free segments of every global pool; returns the bytes released.
+/// Returns the cached, fully free segments of every global pool; returns the bytes released,
+/// or the first failure once every device was tried (one device's failure keeps no other's
+/// cache).
 pub fn empty_cache() -> Result<u64, String> {
-    let mut released = 0;
+    let (mut released, mut failed) = (0, None);
     for state in all_devices()? {
-        let mut state = lock(&state)?;
-        state.retry_refused();
-        released += state.pool.empty_cache().map_err(|e| e.to_string())?;
+        let emptied = lock(&state).and_then(|mut state| {
+            state.retry_refused();
+            state.pool.empty_cache().map_err(|e| e.to_string())
+        });
+        match emptied {
+            Ok(bytes) => released += bytes,
+            Err(e) => failed = failed.or(Some(e)),
+        }
     }
-    Ok(released)
+    failed.map_or(Ok(released), Err)
 }
 
 #[cfg(test)]
@@ -408,6 +439,47 @@ mod tests {
         assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v > 0));
         gpupool_empty_cache();
         assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v == 0));
+
+        // A device busy in a long call (its lock held, as through a synchronizing empty_cache)
+        // stalls its own callers only.
+        let alloc_on = |device| move || gpupool_alloc(64, device, std::ptr::null_mut()) as usize;
+        let busy = global().unwrap().as_ref().unwrap().devices[&0].clone();
+        let held = lock(&busy).unwrap();
+        let waiting = std::thread::spawn(alloc_on(0));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || sender.send(alloc_on(1)()));
+        let other = receiver.recv_timeout(std::time::Duration::from_secs(20));
+        drop(held);
+        let waited = waiting.join().unwrap();
+        let other = other.expect("an allocation on device 1 waited for device 0's lock");
+        gpupool_free(other as *mut c_void, 64, 1, stream);
+        gpupool_free(waited as *mut c_void, 64, 0, stream);
+        assert_eq!(take_last_error(), None);
         configure(Backend::Host, Config::default()).unwrap();
+        // The pools it replaced are closed: a new one serves the next call.
+        assert!(busy.lock().unwrap().closed);
+        let fresh = gpupool_alloc(64, 0, stream);
+        assert!(!fresh.is_null());
+        assert!(!Arc::ptr_eq(&busy, &global().unwrap().as_ref().unwrap().devices[&0]));
+        gpupool_free(fresh, 64, 0, stream);
+        configure(Backend::Host, Config::default()).unwrap();
+
+        // A device that cannot be emptied (here its lock poisoned) keeps no other's cache.
+        for device in [0, 1] {
+            gpupool_free(gpupool_alloc(64, device, stream), 64, device, stream);
+        }
+        let broken = global().unwrap().as_ref().unwrap().devices[&0].clone();
+        std::thread::spawn(move || {
+            let _held = broken.lock();
+            panic!("poisons device 0's lock");
+        })
+        .join()
+        .unwrap_err();
+        let reserved =
+            |device| memory_stats(device).and_then(|s| s.into_iter().find(|(k, _)| k == "reserved_bytes.all.current"));
+        assert!(reserved(1).unwrap().1 > 0);
+        assert!(empty_cache().unwrap_err().contains("inconsistent"));
+        assert_eq!(reserved(1).unwrap().1, 0);
     }
 }
