@@ -376,11 +376,12 @@ pub fn take_last_error() -> Option<String> {
     LAST_ERROR.try_with(|last| last.borrow_mut().take()).ok().flatten()
 }
 
-/// The statistics of device `device`'s global pool, if it was opened.
-pub fn memory_stats(device: c_int) -> Option<Vec<(String, i64)>> {
-    let state = global().ok()?.as_ref()?.devices.get(&device).cloned()?;
-    let entries = lock(&state).ok()?.pool.memory_stats();
-    Some(entries)
+/// The statistics of device `device`'s global pool, if it was opened; an error if the pools
+/// cannot be reached (a forked child, a poisoned lock) rather than statistics that look empty.
+pub fn memory_stats(device: c_int) -> Result<Option<Vec<(String, i64)>>, String> {
+    let Some(state) = global()?.as_ref().and_then(|g| g.devices.get(&device).cloned()) else { return Ok(None) };
+    let entries = lock(&state)?.pool.memory_stats();
+    Ok(Some(entries))
 }
 
 /// Returns the cached, fully free segments of every global pool; returns the bytes released,
@@ -415,7 +416,7 @@ mod tests {
         assert!(!a.is_null() && !b.is_null());
         // SAFETY: host-backend addresses are host memory of at least the requested size.
         unsafe { std::ptr::write_bytes(a.cast::<u8>(), 7, 1000) };
-        assert_eq!(memory_stats(0).unwrap().iter().find(|(k, _)| k == "allocation.all.current").unwrap().1, 1);
+        assert_eq!(memory_stats(0).unwrap().unwrap().iter().find(|(k, _)| k == "allocation.all.current").unwrap().1, 1);
         assert!(configure(Backend::Host, Config::default()).is_err(), "live allocations pin the configuration");
         gpupool_record_stream(a, stream);
         assert_eq!(take_last_error(), None, "recording the default stream on a live block");
@@ -436,9 +437,9 @@ mod tests {
             take_last_error()
         });
         assert!(own.join().unwrap().unwrap().contains("not a live allocation"));
-        assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v > 0));
+        assert!(memory_stats(0).unwrap().unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v > 0));
         gpupool_empty_cache();
-        assert!(memory_stats(0).unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v == 0));
+        assert!(memory_stats(0).unwrap().unwrap().iter().any(|(k, v)| k == "reserved_bytes.all.current" && *v == 0));
 
         // A device busy in a long call (its lock held, as through a synchronizing empty_cache)
         // stalls its own callers only.
@@ -476,8 +477,9 @@ mod tests {
         })
         .join()
         .unwrap_err();
-        let reserved =
-            |device| memory_stats(device).and_then(|s| s.into_iter().find(|(k, _)| k == "reserved_bytes.all.current"));
+        let reserved = |device| {
+            memory_stats(device).unwrap().and_then(|s| s.into_iter().find(|(k, _)| k == "reserved_bytes.all.current"))
+        };
         assert!(reserved(1).unwrap().1 > 0);
         assert!(empty_cache().unwrap_err().contains("inconsistent"));
         assert_eq!(reserved(1).unwrap().1, 0);

@@ -867,14 +867,18 @@ def test_a_forked_child_leaves_the_c_abis_pools_to_the_parent(fake):
                 emptied = "emptied"
             except RuntimeError as e:
                 emptied = str(e)
+            try:
+                stats = _native._capi_memory_stats(0)
+            except RuntimeError as e:
+                stats = str(e)
             after = sum(calls(name) for name in names)
-            os.write(write, json.dumps([served, refused, emptied, after - before]).encode())
+            os.write(write, json.dumps([served, refused, emptied, stats, after - before]).encode())
             os._exit(0)
         os.close(write)
-        served, refused, emptied, child_calls = json.loads(os.read(read, 4096))
+        served, refused, emptied, stats, child_calls = json.loads(os.read(read, 4096))
         assert os.waitpid(pid, 0)[1] == 0
         free(ptr, 1 << 20, 0, None)
-        report(served=served, refused=refused, emptied=emptied, child_calls=child_calls,
+        report(served=served, refused=refused, emptied=emptied, stats=stats, child_calls=child_calls,
                parent=_native._capi_last_error(), allocated=_native._capi_memory_stats(0)["allocation.all.current"])
         """,
         ),
@@ -882,5 +886,7 @@ def test_a_forked_child_leaves_the_c_abis_pools_to_the_parent(fake):
     )
     assert result["served"] is None and "forked" in result["refused"]
     assert "forked" in result["emptied"]
+    # Not the empty statistics of a device never used.
+    assert isinstance(result["stats"], str) and "forked" in result["stats"]
     assert result["child_calls"] == 0, "the child drove the parent's CUDA context"
     assert result["parent"] is None and result["allocated"] == 0, "the parent's pool is untouched"

@@ -84,11 +84,14 @@ fn _capi_configure(backend: &str, config: &str) -> PyResult<()> {
     capi::configure(backend, config).map_err(PyRuntimeError::new_err)
 }
 
-/// The statistics of device `device`'s global pool, or None before its first allocation.
+/// The statistics of device `device`'s global pool, or None before its first allocation; a
+/// `RuntimeError` when the pools cannot be reached (a forked child).
 #[pyfunction]
 fn _capi_memory_stats(py: Python<'_>, device: i32) -> PyResult<Option<Bound<'_, PyDict>>> {
     // The device's lock may be held through a long synchronization: wait without the GIL.
-    let Some(entries) = py.detach(|| capi::memory_stats(device)) else { return Ok(None) };
+    let Some(entries) = py.detach(|| capi::memory_stats(device)).map_err(PyRuntimeError::new_err)? else {
+        return Ok(None);
+    };
     let dict = PyDict::new(py);
     for (key, value) in entries {
         dict.set_item(key, value)?;
