@@ -94,14 +94,15 @@ impl DeviceState {
         }
     }
 
-    fn stream(&mut self, handle: u64) -> Result<StreamId, PoolError> {
+    fn stream(&mut self, handle: u64) -> Result<StreamId, String> {
         if let Some(&id) = self.streams.get(&handle) {
             return Ok(id);
         }
+        crate::device::refuse_stream_handle(handle)?;
         let id = self.pool.device_mut().import_stream(handle).or_else(|e| match e {
             // Devices without real streams (host) serve every caller on their default stream.
             DeviceError::Unsupported(_) => Ok(crate::device::DEFAULT_STREAM),
-            e => Err(e),
+            e => Err(e.to_string()),
         })?;
         self.streams.insert(handle, id);
         Ok(id)
@@ -239,7 +240,7 @@ fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, AllocError> 
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?.max(1);
     with_device(device, |state| {
         state.retry_refused();
-        let stream = state.stream(stream).map_err(|e| e.to_string())?;
+        let stream = state.stream(stream)?;
         match state.pool.alloc_on(size, stream) {
             Ok(allocation) => {
                 state.live.insert(allocation.address, allocation.handle);
@@ -265,7 +266,7 @@ fn record_stream(address: u64, stream: u64) -> Result<(), String> {
     for state in all_devices()? {
         let mut state = lock(&state)?;
         if let Some(&handle) = state.live.get(&address) {
-            let stream = state.stream(stream).map_err(|e| e.to_string())?;
+            let stream = state.stream(stream)?;
             return state.pool.record_stream(handle, stream).map_err(|e| e.to_string());
         }
     }
@@ -426,6 +427,9 @@ mod tests {
         assert!(take_last_error().unwrap().contains("not a live allocation"));
         gpupool_record_stream(a, stream);
         assert!(take_last_error().unwrap().contains("record_stream"));
+        // One handle for a different stream on each thread: refused, as a stream no pool can order.
+        assert!(gpupool_alloc(64, 0, 2 as *mut c_void).is_null());
+        assert!(take_last_error().unwrap().contains("per-thread default stream"));
         assert!(gpupool_alloc(-1, 0, stream).is_null());
         assert!(take_last_error().unwrap().contains("negative"));
         // A thread's failure is its own to read.

@@ -162,6 +162,12 @@ def test_numpy_refuses_memory_the_host_cannot_read(pool):
     assert np.asarray(view).sum() == 6
 
 
+def test_the_per_thread_default_stream_is_refused(pool):
+    # Handle 2 names a different stream on each thread: no pool could order its blocks' reuse.
+    with pytest.raises(ValueError, match="per-thread default stream"):
+        pool.external_stream(2)
+
+
 def test_simulated_streams_have_no_handles(pool):
     assert pool.default_stream.handle is None and pool.stream().handle is None
     with pytest.raises(RuntimeError, match="external streams"):

@@ -44,6 +44,21 @@ pub type StreamId = u32;
 pub type EventId = u64;
 /// The stream that exists on every device from the start.
 pub const DEFAULT_STREAM: StreamId = 0;
+/// The driver's handle for the per-thread default stream (`CU_STREAM_PER_THREAD`): one handle
+/// naming a different stream on each thread. The pool keys its reuse and its fences by stream,
+/// so a block freed by one thread's work could serve another thread's at once: it is refused.
+pub const PER_THREAD_STREAM_HANDLE: u64 = 2;
+
+/// Why a stream handle cannot be imported, before any device call: the per-thread default stream.
+pub fn refuse_stream_handle(handle: u64) -> Result<(), String> {
+    if handle == PER_THREAD_STREAM_HANDLE {
+        return Err("the per-thread default stream (handle 2, cudaStreamPerThread) is a different stream on each \
+                    thread, which gpupool cannot tell apart: allocate on a stream of your own"
+            .to_string());
+    }
+    Ok(())
+}
+
 /// Ids from here up name the pool's own owners of free blocks (`core::SHARED`, `core::NIL`), and
 /// the pool indexes per-stream tables by id: a device numbers at most this many streams.
 pub const STREAM_IDS: StreamId = u32::MAX - 1;

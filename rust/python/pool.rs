@@ -267,6 +267,7 @@ impl PyPool {
     /// Wraps a stream made elsewhere from its raw handle (`torch.cuda.current_stream().cuda_stream`,
     /// `cupy.cuda.get_current_stream().ptr`); gpupool never destroys it. CUDA devices only.
     fn external_stream(&self, py: Python<'_>, handle: u64) -> PyResult<PyStream> {
+        crate::device::refuse_stream_handle(handle).map_err(value_error)?;
         let id = self.detached(py, |pool| pool.device_mut().import_stream(handle).map_err(|e| pool_error(e.into())))?;
         Ok(PyStream::external(self.shared.clone(), id))
     }
