@@ -45,6 +45,9 @@ impl Backend {
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn open(self, device: c_int, config: &Config) -> Result<Box<dyn Device>, DeviceError> {
         match self {
+            // Device numbers are C ints, as CUDA's: a negative one names no device there either
+            // (and each number opens a pool of its own).
+            Backend::Host if device < 0 => Err(DeviceError::Driver(format!("host device {device} does not exist"))),
             Backend::Host => Ok(Box::new(Host::new(None))),
             #[cfg(feature = "cuda")]
             Backend::Cuda => {
@@ -430,6 +433,8 @@ mod tests {
         // One handle for a different stream on each thread: refused, as a stream no pool can order.
         assert!(gpupool_alloc(64, 0, 2 as *mut c_void).is_null());
         assert!(take_last_error().unwrap().contains("per-thread default stream"));
+        assert!(gpupool_alloc(64, -1, stream).is_null());
+        assert!(take_last_error().unwrap().contains("host device -1 does not exist"));
         assert!(gpupool_alloc(-1, 0, stream).is_null());
         assert!(take_last_error().unwrap().contains("negative"));
         // A thread's failure is its own to read.
