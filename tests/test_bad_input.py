@@ -169,6 +169,14 @@ def test_a_large_segment_larger_than_the_device_is_named(strategy):
         pass
 
 
+@pytest.mark.parametrize("strategy", ["default", "pages", "expandable"])
+def test_a_large_segment_larger_than_the_device_is_ignored_by_paged_strategies(strategy):
+    # They share PyTorch's rules but grow by pages: the key shapes nothing there, as before.
+    pool = gpupool.Pool("sim", capacity="32MiB", config=f"strategy:{strategy},large_segment_size_mb:64")
+    with pool.alloc(2 << 20):
+        assert pool.memory_reserved() < 32 << 20
+
+
 def test_unknown_config_key_is_named():
     with pytest.raises(ValueError, match="no_such_knob"):
         gpupool.Pool("host", config="no_such_knob:1")

@@ -253,7 +253,8 @@ impl Config {
 
     /// Why a device of `total` bytes named `device` cannot serve this configuration, naming the
     /// key: a paged strategy maps whole pages, and PyTorch's segment growth takes a large
-    /// segment for every request from 1 to 10 MiB. Either larger than the device would fail
+    /// segment for every request from 1 to 10 MiB (paged strategies share its rules but grow by
+    /// pages, never taking such a segment). Either larger than the device would fail
     /// those requests with an out-of-memory error that blames nothing. PyTorch's own 20 MiB
     /// segment is only refused when set explicitly, so a small simulated device keeps working
     /// for the other requests.
@@ -265,7 +266,8 @@ impl Config {
         }
         let segment = self.rules.large_segment;
         let set = segment != crate::core::Rules::pytorch().large_segment;
-        if self.rules.growth == crate::core::SegmentGrowth::PyTorch && set && segment > total {
+        let takes_segments = self.paging.is_none() && self.rules.growth == crate::core::SegmentGrowth::PyTorch;
+        if takes_segments && set && segment > total {
             let (segment, total) = (super::format_bytes(segment), super::format_bytes(total));
             return Some(format!(
                 "large_segment_size_mb: strategy {name} takes segments of {segment}, more than {device}'s {total}"
