@@ -17,9 +17,9 @@
 //! - `release_lock_on_cudamalloc` (`True`/`False`): accepted, no effect. PyTorch drops its
 //!   allocator lock around `cudaMalloc`; gpupool's device lives inside the pool's lock, so a
 //!   segment allocation always holds it (the Python binding releases the GIL, not that lock).
-//! - `release_threshold` [0, 1]: after a free (or a synchronize or stream destroy that completes
-//!   waiting frees), while free-but-reserved bytes exceed this share
-//!   of reserved bytes, fully free segments go back to the device, oldest first.
+//! - `release_threshold` [0, 1]: after a free (and after a synchronize or a stream's destroy
+//!   completes waiting frees), while free-but-reserved bytes exceed this share of reserved
+//!   bytes, fully free segments go back to the device, oldest first.
 //! - `initial_pool_size_mb`: a segment obtained when the pool is made (capped by capacity);
 //!   `arena` grows by this unit too (default 1024).
 //! - `page_size_mb`: the mapping unit of the paged strategies, a power of two: `default` and

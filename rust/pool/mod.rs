@@ -348,7 +348,7 @@ impl<D: Device> Pool<D> {
                 done => return done,
             }
         }
-        self.synchronize()?;
+        self.complete_all()?;
         self.heap.stats_mut().num_sync_all_streams += 1;
         self.release_cached()?;
         self.heap.stats_mut().num_alloc_retries += 1;
@@ -564,7 +564,7 @@ impl<D: Device> Pool<D> {
     /// Waits for pending events, then gives every fully free segment back to the device;
     /// returns the bytes released.
     pub fn empty_cache(&mut self) -> Result<u64, PoolError> {
-        self.synchronize()?;
+        self.complete_all()?;
         self.heap.stats_mut().num_sync_all_streams += 1;
         self.release_cached()
     }

@@ -140,3 +140,28 @@ impl<D: Device> Pool<D> {
         Ok(size)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::device::Sim;
+    use crate::pool::{Config, Pool};
+
+    /// `empty_cache` returns every byte it gave back: a free that completes in its own wait is
+    /// given back by it, not by the watermark on the way.
+    #[test]
+    fn empty_cache_counts_frees_that_complete_in_its_wait() {
+        for config in ["strategy:direct", "strategy:pytorch,release_threshold:0"] {
+            let mut pool = Pool::new(Sim::new(1 << 30), Config::parse(config).unwrap());
+            let side = pool.create_stream().unwrap();
+            let a = pool.alloc(3 << 20).unwrap();
+            pool.record_stream(a.handle, side).unwrap();
+            pool.hold_stream(side).unwrap();
+            pool.free(a.handle).unwrap();
+            let reserved = pool.reserved();
+            assert!(reserved > 0, "{config}: the free waits for the side stream");
+            assert_eq!(pool.empty_cache().unwrap(), reserved, "{config}");
+            assert_eq!(pool.reserved(), 0, "{config}");
+            pool.check_invariants().unwrap();
+        }
+    }
+}

@@ -79,6 +79,14 @@ impl<D: Device> Pool<D> {
     /// blocks become free and, unless cross-stream reuse is off, every stream's free blocks
     /// become shared.
     pub fn synchronize(&mut self) -> Result<(), PoolError> {
+        self.complete_all()?;
+        self.after_completions();
+        Ok(())
+    }
+
+    /// [`Pool::synchronize`] without the release watermark, for callers that give back every
+    /// idle segment next (and count what they gave back).
+    pub(super) fn complete_all(&mut self) -> Result<(), PoolError> {
         self.synchronize_device()?;
         self.settle_unreleased();
         self.settle_captured_frees()?;
@@ -88,7 +96,6 @@ impl<D: Device> Pool<D> {
             self.deferred.fence_streams(&mut self.device, &mut self.heap, None)?;
             self.deferred.poll(&mut self.device, &mut self.heap, true)?;
         }
-        self.after_completions();
         Ok(())
     }
 
