@@ -122,24 +122,30 @@ struct Global {
 
 static GLOBAL: Mutex<Option<Global>> = Mutex::new(None);
 
-/// Set in a child forked after the process-wide pools were first reached: they are the
-/// parent's. Their CUDA contexts do not survive a fork, and a thread of the parent's may have
-/// held one of their locks then, which nothing in the child would ever release.
+/// Set in a child forked after the first device's pool was opened: the pools are the parent's.
+/// Their CUDA contexts do not survive a fork, and a thread of the parent's may have held one of
+/// their locks then, which nothing in the child would ever release. A child forked before that
+/// (after `gpupool.torch.install()` configured the pools, say, and before CUDA started) opens
+/// its own.
 static FORKED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn mark_forked() {
     FORKED.store(true, Ordering::Relaxed);
 }
 
-/// The process-wide lock; every way to a pool starts here, so a forked child is refused here,
-/// before any lock or driver call.
-fn global() -> Result<MutexGuard<'static, Option<Global>>, String> {
+/// Arms [`FORKED`] for children forked from now on; called before the first pool is opened.
+fn watch_forks() {
     static WATCH_FORKS: Once = Once::new();
     // SAFETY: the handler runs in the child right after the fork, where only async-signal-safe
     // code may run: an atomic store is.
     WATCH_FORKS.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn()));
     });
+}
+
+/// The process-wide lock; every way to a pool starts here, so a forked child is refused here,
+/// before any lock or driver call.
+fn global() -> Result<MutexGuard<'static, Option<Global>>, String> {
     if FORKED.load(Ordering::Relaxed) {
         return Err("the C ABI's pools were made before this process forked and are the parent's (a CUDA context \
                     does not survive a fork): a forked child cannot use them"
@@ -214,6 +220,7 @@ fn device_state(global: &mut Option<Global>, device: c_int) -> Result<SharedStat
     if let Some(state) = g.devices.get(&device) {
         return Ok(state.clone());
     }
+    watch_forks();
     let pool = Pool::new(g.backend.open(device, &g.config).map_err(|e| e.to_string())?, g.config.clone());
     let state = Arc::new(Mutex::new(DeviceState {
         pool,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -218,6 +220,35 @@ def test_c_abi_on_the_host_backend():
     _native._capi_configure("host", "max_split_size_mb:64")
     with pytest.raises(ValueError):
         _native._capi_configure("tpu", "")
+
+
+def test_a_child_forked_before_the_first_c_abi_pool_opens_its_own():
+    # gpupool.torch.install() configures the pools before CUDA starts, and opens none: a worker
+    # forked then (one that starts CUDA itself) has no parent's pools to be refused.
+    code = textwrap.dedent(
+        """
+        import ctypes, os
+        from gpupool import _native
+        _native._capi_configure("host", "")
+        assert _native._capi_memory_stats(0) is None
+        lib = ctypes.CDLL(_native.__file__)
+        lib.gpupool_alloc.restype = ctypes.c_void_p
+        lib.gpupool_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        pid = os.fork()
+        if pid == 0:
+            served = lib.gpupool_alloc(64, 0, None)
+            os._exit(0 if served else 1)
+        assert os.waitpid(pid, 0)[1] == 0, "the child was refused"
+        # Once a pool is open, a child is refused.
+        assert lib.gpupool_alloc(64, 0, None)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not lib.gpupool_alloc(64, 0, None) and "forked" in _native._capi_last_error() else 1)
+        assert os.waitpid(pid, 0)[1] == 0, "the child used the parent's pool"
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_extension_exports_the_c_functions():
