@@ -272,15 +272,34 @@ fn free(address: u64, device: c_int) -> Result<(), String> {
     state.free(handle).map_err(|e| e.to_string())
 }
 
+/// The call names no device: each pool is searched for the address, the idle ones first, so a
+/// device busy in a long call stalls only the blocks it holds.
 fn record_stream(address: u64, stream: u64) -> Result<(), String> {
+    let mut busy = Vec::new();
     for state in all_devices()? {
-        let mut state = lock(&state)?;
-        if let Some(&handle) = state.live.get(&address) {
-            let stream = state.stream(stream)?;
-            return state.pool.record_stream(handle, stream).map_err(|e| e.to_string());
+        let found = match state.try_lock() {
+            Ok(mut guard) => Some(record_in(&mut guard, address, stream)),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+            Err(std::sync::TryLockError::Poisoned(_)) => Some(Some(lock(&state).map(drop))),
+        };
+        match found {
+            None => busy.push(state),
+            Some(Some(recorded)) => return recorded,
+            Some(None) => {}
+        }
+    }
+    for state in busy {
+        if let Some(recorded) = record_in(&mut *lock(&state)?, address, stream) {
+            return recorded;
         }
     }
     Err(format!("record_stream: {address:#x} is not a live allocation"))
+}
+
+/// [`record_stream`] in one device's pool; `None` if the address is not one of its blocks.
+fn record_in(state: &mut DeviceState, address: u64, stream: u64) -> Option<Result<(), String>> {
+    let &handle = state.live.get(&address)?;
+    Some(state.stream(stream).and_then(|stream| state.pool.record_stream(handle, stream).map_err(|e| e.to_string())))
 }
 
 /// `void* gpupool_alloc(ssize_t size, int device, cudaStream_t stream)`: null when the pool
@@ -465,11 +484,17 @@ mod tests {
         let waiting = std::thread::spawn(alloc_on(0));
         std::thread::sleep(std::time::Duration::from_millis(100));
         let (sender, receiver) = std::sync::mpsc::channel();
-        std::thread::spawn(move || sender.send(alloc_on(1)()));
+        std::thread::spawn(move || {
+            let other = alloc_on(1)();
+            // record_stream names no device: device 1's block is found without waiting for 0.
+            gpupool_record_stream(other as *mut c_void, std::ptr::null_mut());
+            sender.send((other, take_last_error()))
+        });
         let other = receiver.recv_timeout(std::time::Duration::from_secs(20));
         drop(held);
         let waited = waiting.join().unwrap();
-        let other = other.expect("an allocation on device 1 waited for device 0's lock");
+        let (other, recorded) = other.expect("a call on device 1 waited for device 0's lock");
+        assert_eq!(recorded, None);
         gpupool_free(other as *mut c_void, 64, 1, stream);
         gpupool_free(waited as *mut c_void, 64, 0, stream);
         assert_eq!(take_last_error(), None);
