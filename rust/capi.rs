@@ -191,7 +191,10 @@ pub fn configure(backend: Backend, config: Config) -> Result<(), String> {
     for mut state in states {
         state.closed = true;
     }
-    *global = Some(Global { backend, config, devices: HashMap::new() });
+    let replaced = global.replace(Global { backend, config, devices: HashMap::new() });
+    drop(global);
+    // The pools replaced wait for their devices as they close: not under the process-wide lock.
+    drop(replaced);
     Ok(())
 }
 

@@ -73,7 +73,7 @@ pub fn default_device() -> &'static str {
 
 /// Sets the backend (`"cuda"` or `"host"`) and config of the pools behind `gpupool_alloc`.
 #[pyfunction]
-fn _capi_configure(backend: &str, config: &str) -> PyResult<()> {
+fn _capi_configure(py: Python<'_>, backend: &str, config: &str) -> PyResult<()> {
     let backend = match backend {
         "host" => Backend::Host,
         #[cfg(feature = "cuda")]
@@ -81,7 +81,8 @@ fn _capi_configure(backend: &str, config: &str) -> PyResult<()> {
         other => return Err(value_error(format!("unknown C ABI backend '{other}'"))),
     };
     let config = Config::parse(config).map_err(value_error)?;
-    capi::configure(backend, config).map_err(PyRuntimeError::new_err)
+    // It waits for every device's lock, and the pools it replaces wait for their devices.
+    py.detach(|| capi::configure(backend, config)).map_err(PyRuntimeError::new_err)
 }
 
 /// The statistics of device `device`'s global pool, or None before its first allocation; a
