@@ -16,8 +16,8 @@ use crate::pool::{Config, Pool, PoolError};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Once};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Where the process-wide pools get their memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,32 +126,74 @@ static GLOBAL: Mutex<Option<Global>> = Mutex::new(None);
 /// Their CUDA contexts do not survive a fork, and a thread of the parent's may have held one of
 /// their locks then, which nothing in the child would ever release. A child forked before that
 /// (after `gpupool.torch.install()` configured the pools, say, and before CUDA started) opens
-/// its own.
+/// its own, unless a parent thread held the process-wide lock at the fork.
 static FORKED: AtomicBool = AtomicBool::new(false);
 
+/// Set just before the first device's pool opens.
+static POOLS_OPENED: AtomicBool = AtomicBool::new(false);
+
+/// Threads holding or waiting for the process-wide lock. A child forked while one held it (in the
+/// very first call, opening the first pool, say) would wait for it forever: the thread that holds
+/// it was not copied. Such a child is refused instead.
+static IN_GLOBAL: AtomicUsize = AtomicUsize::new(0);
+
 extern "C" fn mark_forked() {
-    FORKED.store(true, Ordering::Relaxed);
+    if POOLS_OPENED.load(Ordering::SeqCst) || IN_GLOBAL.load(Ordering::SeqCst) > 0 {
+        FORKED.store(true, Ordering::SeqCst);
+    }
 }
 
-/// Arms [`FORKED`] for children forked from now on; called before the first pool is opened.
+/// Arms [`FORKED`] for children forked from now on, on the first call that reaches
+/// [`global`]. No `Once`: a child forked while another thread ran one would wait for it forever.
 fn watch_forks() {
-    static WATCH_FORKS: Once = Once::new();
-    // SAFETY: the handler runs in the child right after the fork, where only async-signal-safe
-    // code may run: an atomic store is.
-    WATCH_FORKS.call_once(|| unsafe {
-        libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn()));
-    });
+    static WATCHING: AtomicBool = AtomicBool::new(false);
+    if !WATCHING.swap(true, Ordering::SeqCst) {
+        // SAFETY: the handler runs in the child right after the fork, where only
+        // async-signal-safe code may run: atomic loads and a store are.
+        unsafe { libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn())) };
+    }
+}
+
+/// The process-wide lock, counted in [`IN_GLOBAL`] from before it is taken until after it is let
+/// go, so that a fork at any point in between marks the child.
+struct GlobalGuard(Option<MutexGuard<'static, Option<Global>>>);
+
+impl std::ops::Deref for GlobalGuard {
+    type Target = Option<Global>;
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for GlobalGuard {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for GlobalGuard {
+    fn drop(&mut self) {
+        // Unlocked first: a fork between the two still finds the count up.
+        drop(self.0.take());
+        IN_GLOBAL.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The process-wide lock; every way to a pool starts here, so a forked child is refused here,
 /// before any lock or driver call.
-fn global() -> Result<MutexGuard<'static, Option<Global>>, String> {
-    if FORKED.load(Ordering::Relaxed) {
+fn global() -> Result<GlobalGuard, String> {
+    watch_forks();
+    IN_GLOBAL.fetch_add(1, Ordering::SeqCst);
+    let mut guard = GlobalGuard(None);
+    if FORKED.load(Ordering::SeqCst) {
         return Err("the C ABI's pools were made before this process forked and are the parent's (a CUDA context \
-                    does not survive a fork): a forked child cannot use them"
+                    does not survive a fork), or another thread was inside the C ABI at the fork: a forked child \
+                    cannot use them"
             .to_string());
     }
-    GLOBAL.lock().map_err(|_| "the global pool was left inconsistent by an earlier panic".to_string())
+    let held = GLOBAL.lock().map_err(|_| "the global pool was left inconsistent by an earlier panic".to_string())?;
+    guard.0 = Some(held);
+    Ok(guard)
 }
 
 fn lock(state: &SharedState) -> Result<MutexGuard<'_, DeviceState>, String> {
@@ -223,7 +265,7 @@ fn device_state(global: &mut Option<Global>, device: c_int) -> Result<SharedStat
     if let Some(state) = g.devices.get(&device) {
         return Ok(state.clone());
     }
-    watch_forks();
+    POOLS_OPENED.store(true, Ordering::SeqCst);
     let pool = Pool::new(g.backend.open(device, &g.config).map_err(|e| e.to_string())?, g.config.clone());
     let state = Arc::new(Mutex::new(DeviceState {
         pool,
@@ -439,9 +481,52 @@ pub fn empty_cache() -> Result<u64, String> {
 mod tests {
     use super::*;
 
+    /// A child forked while another thread holds the process-wide lock, before any pool opened
+    /// (in the very first call, opening the first pool, say): refused, where it used to wait
+    /// forever for a lock whose holder was not copied into it.
+    fn fork_while_another_thread_holds_the_global_lock() {
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _guard = global().unwrap();
+            held_tx.send(()).unwrap();
+            done_rx.recv().unwrap();
+        });
+        held_rx.recv().unwrap();
+        // SAFETY: the child only calls the C ABI (which allocates with glibc's fork-safe malloc)
+        // and exits without unwinding.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let refused = gpupool_alloc(64, 0, std::ptr::null_mut()).is_null()
+                && take_last_error().is_some_and(|e| e.contains("forked"));
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(if refused { 0 } else { 1 }) };
+        }
+        assert!(pid > 0, "fork failed");
+        let mut status = 0;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        // SAFETY: our child, reaped once.
+        while unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == 0 {
+            if std::time::Instant::now() > deadline {
+                // SAFETY: our child, killed and reaped.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                panic!("the child waited for a lock held by a thread that the fork did not copy");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child was not refused: {status}");
+        done_tx.send(()).unwrap();
+        holder.join().unwrap();
+    }
+
     /// One test, because the global pool is process-wide state.
     #[test]
     fn host_backend_round_trip() {
+        // Before any pool opens: the fork check depends on it.
+        fork_while_another_thread_holds_the_global_lock();
         configure(Backend::Host, Config::default()).unwrap();
         let stream = std::ptr::null_mut();
         let a = gpupool_alloc(1000, 0, stream);
