@@ -147,7 +147,8 @@ extern "C" fn mark_forked() {
 /// [`global`]. No `Once`: a child forked while another thread ran one would wait for it forever.
 fn watch_forks() {
     static WATCHING: AtomicBool = AtomicBool::new(false);
-    if !WATCHING.swap(true, Ordering::SeqCst) {
+    // Read first: every call passes here, and a swap would write the shared line each time.
+    if !WATCHING.load(Ordering::Relaxed) && !WATCHING.swap(true, Ordering::SeqCst) {
         // SAFETY: the handler runs in the child right after the fork, where only
         // async-signal-safe code may run: atomic loads and a store are.
         unsafe { libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn())) };
