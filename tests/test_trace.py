@@ -178,6 +178,23 @@ def test_reads_a_pytorch_snapshot_pickle(tmp_path, name):
     assert trace.peak_live_bytes == 1000 + 2048
 
 
+def test_an_old_snapshot_without_block_addresses_places_its_blocks_by_their_sizes(tmp_path):
+    # Older PyTorch versions list a segment's blocks in address order without addresses.
+    snapshot = torch_like_snapshot()
+    blocks = [
+        {"size": 1024, "requested_size": 1000, "state": "active_allocated"},
+        {"size": 512, "state": "inactive"},
+        {"size": 2048, "requested_size": 2000, "state": "active_allocated"},
+        {"size": 4096, "state": "active_pending_free"},
+    ]
+    snapshot["segments"][0]["blocks"] = blocks
+    snapshot["device_traces"] = [[]]
+    trace = gtrace.load(dump(tmp_path, snapshot))
+    events = [(e.action, e.address, e.size) for e in trace]
+    assert events == [("alloc", 0x1000, 1000), ("alloc", 0x1600, 2000), ("alloc", 0x1E00, 4096)]
+    assert trace.peak_live_bytes == 1000 + 2000 + 4096
+
+
 class Sneaky:
     """Unpickling this would create a file: the loader must refuse to."""
 

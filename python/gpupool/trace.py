@@ -209,7 +209,8 @@ def _live_before(
 ) -> list[tuple[int, int, int]]:
     """Blocks allocated before recording began, as ``(addr, size, stream)``: those whose first
     entry is a free (PyTorch's viewer draws them the same way), and those the snapshot's
-    segments (with their indices) show allocated that the trace never touches."""
+    segments (with their indices) show allocated that the trace never touches. Older snapshots
+    give no block addresses: a block starts where the one before it in its segment ends."""
     seen: set[int] = set()
     before: list[tuple[int, int, int]] = []
     for action, address, size, stream, _ in rows:
@@ -221,10 +222,13 @@ def _live_before(
     for index, segment in segments:
         if not isinstance(segment.get("blocks"), list):
             continue
+        follows = segment.get("address")
         for number, block in enumerate(segment["blocks"]):
             active = isinstance(block, Mapping) and block.get("state") in _ACTIVE_STATES
-            address = block.get("address") if active else None
-            if isinstance(address, int) and address not in seen:
+            address = block.get("address", follows) if isinstance(block, Mapping) else None
+            block_size = block.get("size") if isinstance(block, Mapping) else None
+            follows = address + block_size if isinstance(address, int) and isinstance(block_size, int) else None
+            if active and isinstance(address, int) and address not in seen:
                 size_key = "requested_size" if block.get("requested_size") else "size"
                 size = block.get(size_key)
                 stream = segment.get("stream", 0)
