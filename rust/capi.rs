@@ -15,6 +15,7 @@ use crate::device::{Device, DeviceError, Host, StreamId};
 use crate::pool::{Config, Pool, PoolError};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
+use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -291,6 +292,12 @@ impl From<String> for AllocError {
     }
 }
 
+impl fmt::Display for AllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
 fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, AllocError> {
     // PyTorch asks for 0 bytes for empty tensors; they still need a distinct, freeable address.
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?.max(1);
@@ -353,17 +360,8 @@ fn record_in(state: &mut DeviceState, address: u64, stream: u64) -> Option<Resul
 /// check for null; PyTorch does not, and gets [`gpupool_torch_alloc`].
 #[no_mangle]
 pub extern "C" fn gpupool_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    match catch_unwind(AssertUnwindSafe(|| allocate(size, device, stream as u64))) {
-        Ok(Ok(address)) => address as *mut c_void,
-        Ok(Err(e)) => {
-            remember_error(e.text);
-            std::ptr::null_mut()
-        }
-        Err(_) => {
-            remember_error("gpupool_alloc panicked".into());
-            std::ptr::null_mut()
-        }
-    }
+    entry_point("gpupool_alloc", || allocate(size, device, stream as u64))
+        .map_or(std::ptr::null_mut(), |address| address as *mut c_void)
 }
 
 extern "C-unwind" {
@@ -380,16 +378,14 @@ extern "C-unwind" {
 /// exception starts in C++ and crosses only this frame, which the `C-unwind` ABI allows.
 #[no_mangle]
 pub extern "C-unwind" fn gpupool_torch_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    let error = match catch_unwind(AssertUnwindSafe(|| allocate(size, device, stream as u64))) {
-        Ok(Ok(address)) => return address as *mut c_void,
-        Ok(Err(e)) => e,
-        Err(_) => AllocError { out_of_memory: false, text: "gpupool_torch_alloc panicked".into() },
+    let error = match entry_point("gpupool_torch_alloc", || allocate(size, device, stream as u64)) {
+        Ok(address) => return address as *mut c_void,
+        Err(e) => e,
     };
     // PyTorch's own message starts "CUDA out of memory.", and tools that retry with a smaller
     // batch (accelerate's find_executable_batch_size) look for exactly that.
     let prefix = if error.out_of_memory { "CUDA out of memory. gpupool: " } else { "gpupool: " };
     let message = CString::new(format!("{prefix}{}", error.text).replace('\0', " ")).unwrap_or_default();
-    remember_error(error.text);
     // SAFETY: the thrower copies the message before throwing; `message` is dropped while the
     // exception unwinds through this frame, after that copy.
     unsafe { gpupool_throw_alloc_error(c_int::from(error.out_of_memory), message.as_ptr()) }
@@ -400,9 +396,7 @@ pub extern "C-unwind" fn gpupool_torch_alloc(size: isize, device: c_int, stream:
 /// as the last error), since C has no way to be told.
 #[no_mangle]
 pub extern "C" fn gpupool_free(ptr: *mut c_void, _size: isize, device: c_int, _stream: *mut c_void) {
-    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(|| free(ptr as u64, device))) {
-        remember_error(e);
-    }
+    let _ = entry_point("gpupool_free", || free(ptr as u64, device));
 }
 
 /// `void gpupool_record_stream(void* ptr, cudaStream_t stream)`: PyTorch's pluggable-allocator
@@ -410,9 +404,7 @@ pub extern "C" fn gpupool_free(ptr: *mut c_void, _size: isize, device: c_int, _s
 /// `stream` until then, as with PyTorch's own allocator.
 #[no_mangle]
 pub extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(|| record_stream(ptr as u64, stream as u64))) {
-        remember_error(e);
-    }
+    let _ = entry_point("gpupool_record_stream", || record_stream(ptr as u64, stream as u64));
 }
 
 /// `void gpupool_set_memory_fraction(double fraction, int device)`: PyTorch's pluggable-allocator
@@ -420,19 +412,27 @@ pub extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
 /// reserves at most that share of the device from now on, as `per_process_memory_fraction`.
 #[no_mangle]
 pub extern "C" fn gpupool_set_memory_fraction(fraction: f64, device: c_int) {
-    let set = || with_device(device, |state| state.pool.set_memory_fraction(fraction));
-    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(set)) {
-        remember_error(e);
-    }
+    let _ = entry_point("gpupool_set_memory_fraction", || {
+        with_device(device, |state| state.pool.set_memory_fraction(fraction))
+    });
 }
 
 /// `void gpupool_empty_cache(void)`: PyTorch's pluggable-allocator reset hook
 /// (`torch.cuda.empty_cache()`): every device's fully free cached memory goes back.
 #[no_mangle]
 pub extern "C" fn gpupool_empty_cache() {
-    if let Ok(Err(e)) = catch_unwind(empty_cache) {
-        remember_error(e);
+    let _ = entry_point("gpupool_empty_cache", empty_cache);
+}
+
+/// Runs the body of C entry point `name`. A panic must not unwind into C, so it is caught and
+/// becomes an error naming the entry point; any error is kept as the thread's last error (C
+/// callers get a null or nothing back) and returned.
+fn entry_point<T, E: From<String> + fmt::Display>(name: &str, body: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+    let result = catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|_| Err(E::from(format!("{name} panicked"))));
+    if let Err(e) = &result {
+        remember_error(e.to_string());
     }
+    result
 }
 
 thread_local! {
@@ -521,6 +521,20 @@ mod tests {
         assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child was not refused: {status}");
         done_tx.send(()).unwrap();
         holder.join().unwrap();
+    }
+
+    /// A panic must not unwind into C: each entry point's body runs in [`entry_point`], which
+    /// keeps the panic as the thread's last error, named, as it keeps a failure.
+    #[test]
+    fn a_panic_in_an_entry_point_is_its_last_error() {
+        let panicked = entry_point("gpupool_free", || -> Result<(), String> { panic!("a bug in the pool") });
+        assert_eq!(panicked, Err("gpupool_free panicked".to_string()));
+        assert_eq!(take_last_error().as_deref(), Some("gpupool_free panicked"));
+        let failed = entry_point("gpupool_empty_cache", || Err::<u64, _>("no pool".to_string()));
+        assert_eq!(failed, Err("no pool".to_string()));
+        assert_eq!(take_last_error().as_deref(), Some("no pool"));
+        assert_eq!(entry_point("gpupool_empty_cache", || Ok::<_, String>(7)), Ok(7));
+        assert_eq!(take_last_error(), None, "a success leaves no error");
     }
 
     /// One test, because the global pool is process-wide state.
