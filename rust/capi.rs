@@ -299,8 +299,12 @@ impl fmt::Display for AllocError {
 }
 
 fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, AllocError> {
-    // PyTorch asks for 0 bytes for empty tensors; they still need a distinct, freeable address.
-    let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?.max(1);
+    let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
+    // PyTorch asks for 0 bytes for empty tensors. Its own allocator gives them null and counts
+    // nothing (and its free and recordStream ignore null): users compare the statistics.
+    if size == 0 {
+        return Ok(0);
+    }
     with_device(device, |state| {
         state.retry_refused();
         let stream = state.stream(stream)?;
@@ -315,6 +319,10 @@ fn allocate(size: isize, device: c_int, stream: u64) -> Result<u64, AllocError> 
 }
 
 fn free(address: u64, device: c_int) -> Result<(), String> {
+    // An empty tensor's null, from `allocate`.
+    if address == 0 {
+        return Ok(());
+    }
     let state = global()?
         .as_ref()
         .and_then(|g| g.devices.get(&device).cloned())
@@ -328,6 +336,10 @@ fn free(address: u64, device: c_int) -> Result<(), String> {
 /// The call names no device: each pool is searched for the address, the idle ones first, so a
 /// device busy in a long call stalls only the blocks it holds.
 fn record_stream(address: u64, stream: u64) -> Result<(), String> {
+    // An empty tensor's null holds no memory to wait for.
+    if address == 0 {
+        return Ok(());
+    }
     let mut busy = Vec::new();
     for state in all_devices()? {
         let found = match state.try_lock() {
@@ -356,8 +368,9 @@ fn record_in(state: &mut DeviceState, address: u64, stream: u64) -> Option<Resul
 }
 
 /// `void* gpupool_alloc(ssize_t size, int device, cudaStream_t stream)`: null when the pool
-/// cannot serve the request (the reason is kept for [`take_last_error`]). For C callers, who
-/// check for null; PyTorch does not, and gets [`gpupool_torch_alloc`].
+/// cannot serve the request (the reason is kept for [`take_last_error`]), and for 0 bytes (no
+/// error kept), which freeing ignores. For C callers, who check for null; PyTorch does not, and
+/// gets [`gpupool_torch_alloc`].
 #[no_mangle]
 pub extern "C" fn gpupool_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
     entry_point("gpupool_alloc", || allocate(size, device, stream as u64))
@@ -372,7 +385,7 @@ extern "C-unwind" {
 
 /// `void* gpupool_torch_alloc(ssize_t size, int device, cudaStream_t stream)`: the allocation
 /// function for PyTorch's `CUDAPluggableAllocator`, which uses whatever pointer it gets back
-/// (a null becomes a tensor at address 0). A failure is therefore thrown as a C++ exception
+/// (a null becomes a tensor at address 0, which is right only for 0 bytes, an empty tensor). A failure is therefore thrown as a C++ exception
 /// carrying gpupool's report, which unwinds through PyTorch's frames exactly like its own
 /// allocator's out-of-memory error and reaches Python as a `RuntimeError` with that text. The
 /// exception starts in C++ and crosses only this frame, which the `C-unwind` ABI allows.
@@ -392,8 +405,8 @@ pub extern "C-unwind" fn gpupool_torch_alloc(size: isize, device: c_int, stream:
 }
 
 /// `void gpupool_free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. The block goes
-/// back to the pool on the stream it was allocated on; an unknown pointer is ignored (and kept
-/// as the last error), since C has no way to be told.
+/// back to the pool on the stream it was allocated on; null is ignored, and so is an unknown
+/// pointer (kept as the last error), since C has no way to be told.
 #[no_mangle]
 pub extern "C" fn gpupool_free(ptr: *mut c_void, _size: isize, device: c_int, _stream: *mut c_void) {
     let _ = entry_point("gpupool_free", || free(ptr as u64, device));
@@ -537,6 +550,24 @@ mod tests {
         assert_eq!(take_last_error(), None, "a success leaves no error");
     }
 
+    /// An empty tensor's request on device 0 (whose pool is open): null, and no statistic
+    /// changes, as with PyTorch's own allocator; freeing that null (once per empty tensor) or
+    /// recording a stream on it is harmless: no error, no statistic.
+    fn zero_byte_requests_are_null_and_count_nothing() {
+        let stream = std::ptr::null_mut();
+        let before = memory_stats(0).unwrap().unwrap();
+        let empty = gpupool_alloc(0, 0, stream);
+        assert!(empty.is_null());
+        assert!(gpupool_torch_alloc(0, 0, stream).is_null());
+        assert_eq!(take_last_error(), None);
+        assert_eq!(memory_stats(0).unwrap().unwrap(), before, "a zero-byte request was counted");
+        gpupool_record_stream(empty, stream);
+        gpupool_free(empty, 0, 0, stream);
+        gpupool_free(empty, 0, 0, stream);
+        assert_eq!(take_last_error(), None, "freeing null reported an error");
+        assert_eq!(memory_stats(0).unwrap().unwrap(), before, "freeing null changed the statistics");
+    }
+
     /// One test, because the global pool is process-wide state.
     #[test]
     fn host_backend_round_trip() {
@@ -545,16 +576,15 @@ mod tests {
         configure(Backend::Host, Config::default()).unwrap();
         let stream = std::ptr::null_mut();
         let a = gpupool_alloc(1000, 0, stream);
-        let b = gpupool_alloc(0, 1, stream);
-        assert!(!a.is_null() && !b.is_null());
+        assert!(!a.is_null());
         // SAFETY: host-backend addresses are host memory of at least the requested size.
         unsafe { std::ptr::write_bytes(a.cast::<u8>(), 7, 1000) };
         assert_eq!(memory_stats(0).unwrap().unwrap().iter().find(|(k, _)| k == "allocation.all.current").unwrap().1, 1);
+        zero_byte_requests_are_null_and_count_nothing();
         assert!(configure(Backend::Host, Config::default()).is_err(), "live allocations pin the configuration");
         gpupool_record_stream(a, stream);
         assert_eq!(take_last_error(), None, "recording the default stream on a live block");
         gpupool_free(a, 1000, 0, stream);
-        gpupool_free(b, 0, 1, stream);
         gpupool_free(a, 1000, 0, stream);
         assert!(take_last_error().unwrap().contains("not a live allocation"));
         gpupool_record_stream(a, stream);

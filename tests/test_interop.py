@@ -195,11 +195,13 @@ def _capi():
 def test_c_abi_on_the_host_backend():
     lib = _capi()
     _native._capi_configure("host", "")
-    sizes = [1, 0, 4096, 3 << 20, 700]
+    sizes = [1, 4096, 3 << 20, 700]
     ptrs = [lib.gpupool_alloc(size, 0, None) for size in sizes]
     assert all(ptrs) and len(set(ptrs)) == len(ptrs)
-    ctypes.memset(ptrs[2], 0x5A, 4096)
-    assert ctypes.string_at(ptrs[2], 4) == b"ZZZZ"
+    ctypes.memset(ptrs[1], 0x5A, 4096)
+    assert ctypes.string_at(ptrs[1], 4) == b"ZZZZ"
+    # An empty tensor's request: null, counted nowhere, as with PyTorch's own allocator.
+    assert lib.gpupool_alloc(0, 0, None) is None
     other = lib.gpupool_alloc(100, 1, ctypes.c_void_p(0x1234))
     stats = _native._capi_memory_stats(0)
     assert stats["allocation.all.current"] == len(sizes)
@@ -210,6 +212,8 @@ def test_c_abi_on_the_host_backend():
     for ptr, size in zip(ptrs, sizes, strict=True):
         lib.gpupool_free(ptr, size, 0, None)
     lib.gpupool_free(other, 100, 1, None)
+    lib.gpupool_free(None, 0, 0, None)
+    assert _native._capi_last_error() is None
     assert _native._capi_memory_stats(0)["allocation.all.current"] == 0
     lib.gpupool_free(ptrs[0], 1, 0, None)
     assert "not a live allocation" in _native._capi_last_error()
