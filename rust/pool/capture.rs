@@ -107,15 +107,18 @@ impl<D: Device> Pool<D> {
         Ok(false)
     }
 
-    /// Completes the frees held for captures that have ended since. Free unless some are held.
-    pub(super) fn settle_captured_frees(&mut self) -> Result<(), PoolError> {
+    /// Completes the frees held for captures that have ended since, without the release
+    /// watermark (`empty_cache` counts the segments they leave idle as it gives them back);
+    /// returns whether any block went back to the cache. Free unless some are held.
+    pub(super) fn settle_captured_frees(&mut self) -> Result<bool, PoolError> {
         if self.held_for_capture.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
+        let mut cached = false;
         for handle in std::mem::take(&mut self.held_for_capture) {
-            self.free(handle)?;
+            cached |= self.free_to_cache(handle)?.is_some();
         }
-        Ok(())
+        Ok(cached)
     }
 
     /// Allocations freed during a capture and still held for it.

@@ -57,13 +57,16 @@ impl<D: Device> Pool<D> {
         };
         self.unreleased.pop();
         self.held -= 1;
-        self.wait_or_cache(id, segment, waits);
+        if let Some(segment) = self.wait_or_cache(id, segment, waits) {
+            self.after_free(segment);
+        }
         Ok(())
     }
 
     /// Releases the held blocks whose release failed or waited for a capture; the device has
     /// just synchronized every stream but capturing ones, so nothing else uses them. One at a
-    /// time: a panic in one's release leaves the rest queued.
+    /// time: a panic in one's release leaves the rest queued. Without the release watermark, as
+    /// [`Pool::settle_captured_frees`].
     pub(super) fn settle_unreleased(&mut self) {
         let mut captured = Vec::new();
         while let Some(block) = self.unreleased.pop() {
@@ -73,7 +76,7 @@ impl<D: Device> Pool<D> {
             }
             let segment = self.heap.block_at(block.id).segment;
             self.held -= 1;
-            self.wait_or_cache(block.id, segment, Vec::new());
+            let _cached = self.wait_or_cache(block.id, segment, Vec::new());
         }
         self.unreleased = captured;
     }

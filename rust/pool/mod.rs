@@ -221,7 +221,9 @@ impl<D: Device> Pool<D> {
 
     /// `size` was validated by the caller.
     fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
-        self.settle_captured_frees()?;
+        if self.settle_captured_frees()? {
+            self.after_completions();
+        }
         let rounded = self.heap.rules().round(size);
         if !self.deferred.is_idle() {
             self.deferred.poll(&mut self.device, &mut self.heap, false)?;
@@ -464,44 +466,55 @@ impl<D: Device> Pool<D> {
     /// watermark gives memory back. An error means nothing changed: the handle is still live.
     #[inline(always)]
     pub fn free(&mut self, handle: Handle) -> Result<(), PoolError> {
+        if let Some(segment) = self.free_to_cache(handle)? {
+            self.after_free(segment);
+        }
+        Ok(())
+    }
+
+    /// [`Pool::free`] without the release watermark: returns the segment the block went back to
+    /// the cache in, or `None` while it waits for other streams or for a capture to end.
+    #[inline(always)]
+    fn free_to_cache(&mut self, handle: Handle) -> Result<Option<SegmentId>, PoolError> {
         if self.captures_graphs && self.used_by_capture(handle)? {
             self.held_for_capture.push(handle);
-            return Ok(());
+            return Ok(None);
         }
         // A peek: `release` validates the handle (and a stale one's new occupant has uses or not).
         if self.heap.peek_uses(handle) != 0 {
             return self.free_used(handle);
         }
         self.note_free(handle, false);
-        match self.heap.release(handle)? {
-            Released::Cached { segment } => self.after_free(segment),
+        Ok(match self.heap.release(handle)? {
+            Released::Cached { segment } => Some(segment),
             Released::Pending { id, segment, .. } => self.wait_or_cache(id, segment, Vec::new()),
-        }
-        Ok(())
+        })
     }
 
-    /// [`Pool::free`] of a block other streams used: their events are recorded first, so that if
-    /// the device refuses one the free has not happened and can be retried.
+    /// [`Pool::free_to_cache`] of a block other streams used: their events are recorded first, so
+    /// that if the device refuses one the free has not happened and can be retried.
     #[cold]
-    fn free_used(&mut self, handle: Handle) -> Result<(), PoolError> {
+    fn free_used(&mut self, handle: Handle) -> Result<Option<SegmentId>, PoolError> {
         let uses = self.heap.block(handle)?.uses;
         let waits = self.deferred.record_waits(&mut self.device, handle.index, uses)?;
         self.note_free(handle, !waits.is_empty());
-        match self.heap.release(handle)? {
-            Released::Cached { segment } => self.after_free(segment),
+        Ok(match self.heap.release(handle)? {
+            Released::Cached { segment } => Some(segment),
             Released::Pending { id, segment, .. } => self.wait_or_cache(id, segment, waits),
-        }
-        Ok(())
+        })
     }
 
-    /// Pending block `id` waits for `waits`, or, with nothing to wait for, returns to the cache.
-    fn wait_or_cache(&mut self, id: u32, segment: SegmentId, waits: Vec<(StreamId, EventId)>) {
+    /// Pending block `id` waits for `waits`, or, with nothing to wait for, returns to the cache:
+    /// then its segment comes back, for the caller to apply the release watermark or not.
+    #[must_use]
+    fn wait_or_cache(&mut self, id: u32, segment: SegmentId, waits: Vec<(StreamId, EventId)>) -> Option<SegmentId> {
         if waits.is_empty() {
             self.deferred.forget_uses(id);
             self.heap.complete_pending(id);
-            self.after_free(segment);
+            Some(segment)
         } else {
             self.deferred.attach(id, waits);
+            None
         }
     }
 

@@ -143,8 +143,36 @@ impl<D: Device> Pool<D> {
 
 #[cfg(test)]
 mod tests {
-    use crate::device::Sim;
+    use crate::device::{forward_streams, Device, DeviceError, MemoryInfo, Sim, StreamId};
     use crate::pool::{Config, Pool};
+
+    /// A `sim` device one of whose streams can be said to be captured into a CUDA graph.
+    struct Capturing {
+        sim: Sim,
+        capturing: Option<StreamId>,
+    }
+
+    impl Device for Capturing {
+        fn name(&self) -> &str {
+            "sim"
+        }
+        fn allocate(&mut self, size: u64) -> Result<u64, DeviceError> {
+            self.sim.allocate(size)
+        }
+        fn release(&mut self, address: u64) -> Result<(), DeviceError> {
+            self.sim.release(address)
+        }
+        fn memory_info(&self) -> MemoryInfo {
+            self.sim.memory_info()
+        }
+        fn captures_graphs(&self) -> bool {
+            true
+        }
+        fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+            Ok(self.capturing == Some(stream))
+        }
+        forward_streams!(sim);
+    }
 
     /// `empty_cache` returns every byte it gave back: a free that completes in its own wait is
     /// given back by it, not by the watermark on the way.
@@ -159,6 +187,30 @@ mod tests {
             pool.free(a.handle).unwrap();
             let reserved = pool.reserved();
             assert!(reserved > 0, "{config}: the free waits for the side stream");
+            assert_eq!(pool.empty_cache().unwrap(), reserved, "{config}");
+            assert_eq!(pool.reserved(), 0, "{config}");
+            pool.check_invariants().unwrap();
+        }
+    }
+
+    /// The same for frees made while a capture ran, a plain one and an export's release: they
+    /// wait for the capture's end and complete in `empty_cache`'s wait, which gives them back.
+    #[test]
+    fn empty_cache_counts_frees_held_for_a_capture() {
+        for config in ["strategy:direct", "strategy:pytorch,release_threshold:0"] {
+            let device = Capturing { sim: Sim::new(1 << 30), capturing: None };
+            let mut pool = Pool::new(device, Config::parse(config).unwrap());
+            let side = pool.create_stream().unwrap();
+            let freed = pool.alloc_on(12 << 20, side).unwrap();
+            let exported = pool.alloc_on(12 << 20, side).unwrap();
+            let export = pool.free_held(exported.handle).unwrap();
+            pool.device_mut().capturing = Some(side);
+            pool.free(freed.handle).unwrap();
+            pool.release_held(export).unwrap();
+            assert_eq!((pool.held_for_capture(), pool.held_blocks()), (1, 1), "{config}");
+            pool.device_mut().capturing = None;
+            let reserved = pool.reserved();
+            assert!(reserved >= 24 << 20, "{config}: both blocks wait for the capture");
             assert_eq!(pool.empty_cache().unwrap(), reserved, "{config}");
             assert_eq!(pool.reserved(), 0, "{config}");
             pool.check_invariants().unwrap();

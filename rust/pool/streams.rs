@@ -85,7 +85,8 @@ impl<D: Device> Pool<D> {
     }
 
     /// [`Pool::synchronize`] without the release watermark, for callers that give back every
-    /// idle segment next (and count what they gave back).
+    /// idle segment next (and count what they gave back): the frees it completes, held ones
+    /// and those held for a capture included, leave their segments idle for them.
     pub(super) fn complete_all(&mut self) -> Result<(), PoolError> {
         self.synchronize_device()?;
         self.settle_unreleased();
