@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from advice_snapshots import MiB, block, entry, segment, warmed_up, write, write_deeply_nested
+from advice_snapshots import BASE, MiB, block, entry, segment, warmed_up, write, write_deeply_nested
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -65,6 +65,25 @@ def test_oom_entries_and_unknown_actions_are_reported_not_fatal(tmp_path):
     assert any("hit 1 out-of-memory errors" in note for note in advice.notes)
     assert any("Skipped 1 'cudagraph_replay' entries" in note for note in advice.notes)
     assert advice.as_run.min_capacity_bytes < 1 << 30, "the recorded failure is not attempted again"
+
+
+def test_a_history_no_device_can_serve_fits_no_capacity(tmp_path, capsys):
+    # Requests beyond what any device holds (4 EiB) fail in every replay; the search lets such
+    # failures be, and advised a device of 0 GiB that "saves 100%".
+    huge, huger = (1 << 62) + 1, 1 << 63
+    entries = [
+        entry("alloc", BASE, huge, 1),
+        entry("free_requested", BASE, huge, 2),
+        entry("free_completed", BASE, huge, 3),
+        entry("alloc", BASE + (1 << 30), huger, 4),
+    ]
+    path = write(tmp_path, {"device_traces": [entries], "segments": []})
+    advice = gpupool.advise(path)
+    assert [c.config for c in advice.candidates if c.min_capacity_bytes is not None] == []
+    assert all(r.min_capacity_bytes is None for r in advice.recommended.values())
+    assert cli.main(["advise", str(path)]) == 0
+    answer = capsys.readouterr().out.split("Answer")[1]
+    assert answer.count("fits no capacity the search tried") == 2 and "saves" not in answer, answer
 
 
 def test_expandable_runs_and_graph_pools_are_said_to_be_approximated(tmp_path):

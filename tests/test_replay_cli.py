@@ -67,6 +67,22 @@ def test_a_search_that_finds_no_capacity_says_so(capsys, trace_file):
     assert json.loads(capsys.readouterr().out)[0]["min_capacity_bytes"] is None
 
 
+def test_a_trace_no_device_can_serve_fits_no_capacity(capsys, tmp_path):
+    # Each request is beyond what any device holds (4 EiB): every replay fails them all, and the
+    # search, which lets such failures be, reported a min capacity of 0 MiB beside them.
+    path = tmp_path / "impossible.csv"
+    sizes = [(1 << 62) + 1, 1 << 63]
+    rows = [f"0,{i}.0,allocate,0x{i + 1}0000,{size},0x0" for i, size in enumerate(sizes)]
+    path.write_text("\n".join(["Thread,Time,Action,Pointer,Size,Stream", *rows, ""]))
+    for config in ("strategy:pytorch", "strategy:default"):
+        result = gpupool.replay(str(path), config, min_capacity=True)
+        assert result.ooms == 2 and result.min_capacity_bytes is None, config
+        assert result.min_capacity_utilization is None, config
+    assert cli.main(["replay", str(path), "--min-capacity", "--config", "strategy:default"]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split(" | ")
+    assert row[-4:-1] == ["2", "none found", ""], row
+
+
 def test_json_has_the_figures_in_bytes(capsys, trace_file):
     argv = [
         "replay",

@@ -248,7 +248,8 @@ class ReplayResult:
     def events_per_second(self) -> float: ...
     @property
     def min_capacity_bytes(self) -> int | None:
-        """The smallest sim capacity without an OOM (within 0.02%), if it was asked for."""
+        """The smallest sim capacity without an OOM (within 0.02%), if it was asked for and one
+        runs the trace."""
     @property
     def min_capacity_utilization(self) -> float | None: ...
     @property

@@ -279,7 +279,7 @@ def replay(
     is given, or ``host``). Allocations that do not fit are counted in ``ooms`` and skipped.
     With ``min_capacity``, also searches for the smallest ``sim`` capacity without an OOM, to
     within 0.02% (``min_capacity_bytes`` is ``None`` if it finds none up to about 7,500 times
-    the unlimited peak reserved)."""
+    the unlimited peak reserved, or if every allocation fails even on an unlimited device)."""
     if not isinstance(trace, Trace):
         trace = load(trace)
     return _native.replay(trace._native, config, capacity, min_capacity, device)

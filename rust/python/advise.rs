@@ -59,7 +59,7 @@ pub fn replay_from_start(
                     None => run.metrics.clone(),
                     Some(_) => start::replay_from_start_sim(&events, &segments, &parsed, u64::MAX)?.metrics,
                 };
-                Some(start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, ADVICE_TOLERANCE)?)
+                start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, ADVICE_TOLERANCE)?
             } else {
                 None
             };

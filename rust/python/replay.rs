@@ -4,9 +4,7 @@ use super::device::{capacity_arg, open_device};
 use super::error::{pool_error, value_error};
 use super::trace::PyTrace;
 use crate::pool::{Config, Pool};
-use crate::trace::replay::{
-    min_capacity as search_min_capacity, min_capacity_after, replay as run, Metrics, Timeline, NONE_FITS,
-};
+use crate::trace::replay::{min_capacity as search_min_capacity, min_capacity_after, replay as run, Metrics, Timeline};
 use pyo3::prelude::*;
 
 /// Enough points for a plot as wide as a screen.
@@ -123,12 +121,13 @@ impl PyReplayResult {
         self.metrics.events_per_second()
     }
 
-    /// The smallest capacity that runs the trace; `None` when not searched for, or when the
-    /// search found none (it gives up at about 7,500 times the unlimited peak reserved: a tiny
-    /// `per_process_memory_fraction`, say).
+    /// The smallest capacity that runs the trace; `None` when not searched for, or when none
+    /// does: the search gives up at about 7,500 times the unlimited peak reserved (a tiny
+    /// `per_process_memory_fraction`, say), and a trace whose every allocation fails even on
+    /// an unlimited device runs on none.
     #[getter]
     fn min_capacity_bytes(&self) -> Option<u64> {
-        self.min_capacity.filter(|&c| c != NONE_FITS)
+        self.min_capacity
     }
 
     /// The trace's peak live bytes over the smallest capacity that fits it.
@@ -191,8 +190,8 @@ pub fn replay(
             let metrics = run(&events, &mut Pool::new(backend, parsed.clone()), Some(&mut timeline))?;
             let min = match (min_capacity, unlimited) {
                 (false, _) => None,
-                (true, true) => Some(min_capacity_after(&events, &parsed, &metrics, tolerance)?),
-                (true, false) => Some(search_min_capacity(&events, &parsed, tolerance)?),
+                (true, true) => min_capacity_after(&events, &parsed, &metrics, tolerance)?,
+                (true, false) => search_min_capacity(&events, &parsed, tolerance)?,
             };
             Ok((metrics, min, timeline))
         })

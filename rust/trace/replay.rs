@@ -45,6 +45,12 @@ impl Metrics {
     pub fn events_per_second(&self) -> f64 {
         self.events as f64 / self.seconds.max(1e-9)
     }
+
+    /// Whether allocations failed and none was served: on an unlimited device, no capacity runs
+    /// any of the trace (and a search, which lets those failures be, would say it fits in 0).
+    pub fn served_nothing(&self) -> bool {
+        self.ooms > 0 && self.peak_live_bytes == 0
+    }
 }
 
 /// Reserved and live bytes over event index, downsampled to at most a fixed number of points:
@@ -210,8 +216,8 @@ fn fits_sim(trace: &Trace, config: &Config, capacity: u64, ooms: u64) -> Result<
 }
 
 /// The smallest `sim` capacity on which `trace` replays without an OOM, to within `tolerance`
-/// (a fraction of the answer). See [`min_capacity_after`].
-pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<u64, PoolError> {
+/// (a fraction of the answer), or `None` if none does. See [`min_capacity_after`].
+pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<Option<u64>, PoolError> {
     min_capacity_after(trace, config, &replay_sim(trace, config, u64::MAX)?, tolerance)
 }
 
@@ -219,13 +225,17 @@ pub fn min_capacity(trace: &Trace, config: &Config, tolerance: f64) -> Result<u6
 /// [`bisect_capacity`], then the peak the replay on the capacity found reserved, if the trace
 /// fits on exactly that too. The bisection ends anywhere in its last interval, while a pool's
 /// reservations move in whole segments or pages: so the answer is what the pool needs, and two
-/// strategies that need the same pages read the same.
+/// strategies that need the same pages read the same. `None` when no capacity runs the trace:
+/// the search finds none, or the unlimited replay served none of its allocations.
 pub fn min_capacity_after(
     trace: &Trace,
     config: &Config,
     unlimited: &Metrics,
     tolerance: f64,
-) -> Result<u64, PoolError> {
+) -> Result<Option<u64>, PoolError> {
+    if unlimited.served_nothing() {
+        return Ok(None);
+    }
     // Requests no device could hold fail everywhere; they do not count against a capacity.
     let mut least: Option<(u64, u64)> = None;
     let fits_on = |capacity| {
@@ -235,12 +245,15 @@ pub fn min_capacity_after(
         }
         Ok(peak.is_some())
     };
-    let found = bisect_capacity(fits_on, trace.peak_live_bytes(), unlimited.peak_reserved_bytes, tolerance)?;
+    let floor = trace.peak_live_bytes();
+    let Some(found) = bisect_capacity(fits_on, floor, unlimited.peak_reserved_bytes, tolerance)? else {
+        return Ok(None);
+    };
     match least {
         Some((fitted, peak)) if fitted == found && peak < found => {
-            Ok(if fits_sim(trace, config, peak, unlimited.ooms)?.is_some() { peak } else { found })
+            Ok(Some(if fits_sim(trace, config, peak, unlimited.ooms)?.is_some() { peak } else { found }))
         }
-        _ => Ok(found),
+        _ => Ok(Some(found)),
     }
 }
 
@@ -249,19 +262,19 @@ pub fn min_capacity_after(
 /// bytes of an unlimited replay, but a pool whose limit follows the capacity (a memory
 /// fraction) or whose segments do (strategies that size them by what is left) may need more,
 /// so that bound is replayed too and raised until it fits. The answer is always a capacity
-/// that was replayed; [`NONE_FITS`] when none fits.
+/// that was replayed; `None` when none fits.
 pub fn bisect_capacity(
     mut fits_on: impl FnMut(u64) -> Result<bool, PoolError>,
     floor: u64,
     unlimited_peak: u64,
     tolerance: f64,
-) -> Result<u64, PoolError> {
+) -> Result<Option<u64>, PoolError> {
     let mut fits = unlimited_peak.max(1);
     let mut raises = 0;
     while !fits_on(fits)? {
         raises += 1;
         if raises > MAX_RAISES {
-            return Ok(NONE_FITS);
+            return Ok(None);
         }
         fits = fits.saturating_add((fits / 4).max(1));
     }
@@ -276,11 +289,8 @@ pub fn bisect_capacity(
             fails = middle;
         }
     }
-    Ok(fits)
+    Ok(Some(fits))
 }
-
-/// What [`bisect_capacity`] answers when no capacity it tried fits.
-pub const NONE_FITS: u64 = u64::MAX;
 
 /// How many times [`bisect_capacity`] raises its upper bound by a quarter (x 1.25^40, about
 /// 7500) before it reports that no capacity fits.
@@ -289,6 +299,7 @@ const MAX_RAISES: u32 = 40;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::Rules;
     use crate::device::Host;
     use crate::trace::TraceBuilder;
 
@@ -301,7 +312,7 @@ mod tests {
         for least in [1u64, 2, 3, 5, 137, 4_999] {
             for start in [1u64, 2, least] {
                 let found = bisect_capacity(|c| Ok(c >= least), 0, start, 0.0002).unwrap();
-                assert_eq!(found, least, "least {least}, starting at {start}");
+                assert_eq!(found, Some(least), "least {least}, starting at {start}");
             }
         }
     }
@@ -338,7 +349,7 @@ mod tests {
     #[test]
     fn min_capacity_fits_and_a_little_less_does_not() {
         let (trace, config) = (small_trace(), Config::parse("strategy:pytorch").unwrap());
-        let min = min_capacity(&trace, &config, 0.005).unwrap();
+        let min = min_capacity(&trace, &config, 0.005).unwrap().unwrap();
         assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
         assert!(replay_sim(&trace, &config, min - min / 100).unwrap().ooms > 0);
         assert!(min <= 32 * MIB);
@@ -350,7 +361,7 @@ mod tests {
     fn min_capacity_is_what_the_pool_reserves() {
         for strategy in ["pages", "default"] {
             let (trace, config) = (small_trace(), Config::parse(&format!("strategy:{strategy}")).unwrap());
-            let min = min_capacity(&trace, &config, 0.005).unwrap();
+            let min = min_capacity(&trace, &config, 0.005).unwrap().unwrap();
             assert_eq!(min % (2 * MIB), 0, "{strategy}: {min}");
             assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
             assert!(replay_sim(&trace, &config, min - 2 * MIB).unwrap().ooms > 0);
@@ -365,9 +376,34 @@ mod tests {
             (small_trace(), Config::parse("strategy:pytorch,per_process_memory_fraction:0.5").unwrap());
         let unlimited = replay_sim(&trace, &config, u64::MAX).unwrap();
         assert!(replay_sim(&trace, &config, unlimited.peak_reserved_bytes).unwrap().ooms > 0);
-        let min = min_capacity(&trace, &config, 0.005).unwrap();
+        let min = min_capacity(&trace, &config, 0.005).unwrap().unwrap();
         assert_eq!(replay_sim(&trace, &config, min).unwrap().ooms, 0);
         assert!(min >= 2 * trace.peak_live_bytes());
+    }
+
+    /// A trace whose every allocation fails even on an unlimited device runs on no capacity: the
+    /// search lets such failures be, and used to answer 0 bytes beside them. One allocation that
+    /// is served is enough for an answer.
+    #[test]
+    fn a_trace_no_device_serves_fits_no_capacity() {
+        let impossible = |served: Option<u64>| {
+            let mut b = TraceBuilder::default();
+            b.alloc(0x1000, Rules::MAX_REQUEST + 1, 0, 0).unwrap();
+            b.free(0x1000, 0, 1).unwrap();
+            b.alloc(0x2000, 1 << 63, 0, 2).unwrap();
+            if let Some(size) = served {
+                b.alloc(0x3000, size, 0, 3).unwrap();
+            }
+            b.finish()
+        };
+        for strategy in ["pytorch", "default", "bfc"] {
+            let config = Config::parse(&format!("strategy:{strategy}")).unwrap();
+            let trace = impossible(None);
+            assert_eq!(replay_sim(&trace, &config, u64::MAX).unwrap().ooms, 2, "{strategy}");
+            assert_eq!(min_capacity(&trace, &config, 0.005).unwrap(), None, "{strategy}");
+            let min = min_capacity(&impossible(Some(8 * MIB)), &config, 0.005).unwrap();
+            assert!(min.is_some_and(|min| min >= 8 * MIB), "{strategy}: {min:?}");
+        }
     }
 
     #[test]

@@ -146,14 +146,18 @@ pub fn replay_from_start_sim(
 
 /// The smallest `sim` capacity on which the history runs from the recorded start without an
 /// OOM, to within `tolerance`, given what an unlimited replay from there measured: the search
-/// of [`bisect_capacity`] over seeded replays, each stopped at its first failure.
+/// of [`bisect_capacity`] over seeded replays, each stopped at its first failure. `None` as
+/// for [`min_capacity_after`](super::replay::min_capacity_after).
 pub fn min_capacity_from_start(
     trace: &Trace,
     start: &[StartSegment],
     config: &Config,
     unlimited: &Metrics,
     tolerance: f64,
-) -> Result<u64, PoolError> {
+) -> Result<Option<u64>, PoolError> {
+    if unlimited.served_nothing() {
+        return Ok(None);
+    }
     let fits_on = |capacity| {
         let mut pool = Pool::new(Sim::new(capacity), config.clone());
         replay_with(trace, start, &mut pool, None, false, Some(unlimited.ooms)).map(|(_, failed)| !failed)
@@ -239,7 +243,7 @@ mod tests {
         let config = Config::parse("strategy:pytorch,cross_stream_reuse:never").unwrap();
         let unlimited = replay_from_start_sim(&trace, &start, &config, u64::MAX).unwrap();
         assert_eq!(unlimited.metrics.peak_reserved_bytes, 84 * MIB, "the 30 MiB request fits the cached 64 MiB");
-        let min = min_capacity_from_start(&trace, &start, &config, &unlimited.metrics, 0.005).unwrap();
+        let min = min_capacity_from_start(&trace, &start, &config, &unlimited.metrics, 0.005).unwrap().unwrap();
         assert!((50 * MIB..=51 * MIB).contains(&min), "20 MiB live segment + a 30 MiB one: {min}");
         assert_eq!(replay_from_start_sim(&trace, &start, &config, min).unwrap().metrics.ooms, 0);
         let short = replay_from_start_sim(&trace, &start, &config, 19 * MIB).unwrap();
