@@ -115,8 +115,18 @@ impl<D: Device> Pool<D> {
             return Ok(false);
         }
         let mut cached = false;
-        for handle in std::mem::take(&mut self.held_for_capture) {
-            cached |= self.free_to_cache(handle)?.is_some();
+        let mut held = std::mem::take(&mut self.held_for_capture).into_iter();
+        while let Some(handle) = held.next() {
+            match self.free_to_cache(handle) {
+                Ok(segment) => cached |= segment.is_some(),
+                Err(e) => {
+                    // A failed free changed nothing: it and those after it stay held for a retry,
+                    // rather than live forever with no one to free them.
+                    self.held_for_capture.push(handle);
+                    self.held_for_capture.extend(held);
+                    return Err(e);
+                }
+            }
         }
         Ok(cached)
     }

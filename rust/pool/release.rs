@@ -150,6 +150,8 @@ mod tests {
     struct Capturing {
         sim: Sim,
         capturing: Option<StreamId>,
+        /// Whether asking if a stream is capturing fails, as a driver error.
+        queries_fail: bool,
     }
 
     impl Device for Capturing {
@@ -169,6 +171,9 @@ mod tests {
             true
         }
         fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
+            if self.queries_fail {
+                return Err(DeviceError::Driver("cuStreamIsCapturing failed".into()));
+            }
             Ok(self.capturing == Some(stream))
         }
         forward_streams!(sim);
@@ -198,7 +203,7 @@ mod tests {
     #[test]
     fn empty_cache_counts_frees_held_for_a_capture() {
         for config in ["strategy:direct", "strategy:pytorch,release_threshold:0"] {
-            let device = Capturing { sim: Sim::new(1 << 30), capturing: None };
+            let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
             let mut pool = Pool::new(device, Config::parse(config).unwrap());
             let side = pool.create_stream().unwrap();
             let freed = pool.alloc_on(12 << 20, side).unwrap();
@@ -215,5 +220,30 @@ mod tests {
             assert_eq!(pool.reserved(), 0, "{config}");
             pool.check_invariants().unwrap();
         }
+    }
+
+    /// A held free that fails once the capture ended (the device cannot say whether its stream
+    /// still captures) stays held, with those after it: retried later, not leaked.
+    #[test]
+    fn a_held_free_that_fails_stays_held() {
+        let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
+        let mut pool = Pool::new(device, Config::parse("strategy:pytorch").unwrap());
+        let side = pool.create_stream().unwrap();
+        let blocks: Vec<_> = (0..3).map(|_| pool.alloc_on(4 << 20, side).unwrap()).collect();
+        pool.device_mut().capturing = Some(side);
+        for block in &blocks {
+            pool.free(block.handle).unwrap();
+        }
+        assert_eq!(pool.held_for_capture(), 3);
+        pool.device_mut().capturing = None;
+        pool.device_mut().queries_fail = true;
+        assert!(pool.synchronize().is_err(), "settling asks the device, which fails");
+        assert_eq!(pool.held_for_capture(), 3, "the failed free and those after it stay held");
+        pool.device_mut().queries_fail = false;
+        let reserved = pool.reserved();
+        assert_eq!(pool.empty_cache().unwrap(), reserved, "all three freed, then given back");
+        let active = pool.memory_stats().into_iter().find(|(k, _)| k == "active_bytes.all.current").map(|(_, v)| v);
+        assert_eq!(active, Some(0), "no block left live");
+        pool.check_invariants().unwrap();
     }
 }
