@@ -220,7 +220,7 @@ def frameless(place: str) -> dict:
         held["frames"] = 7
     else:
         del held["frames"]
-        held["history"] = [{"frames": 3.5}]
+        held["history"] = [{"addr": 0, "real_size": MiB, "frames": 3.5}]
     return {"device_traces": [[]], "segments": [segment(0, 2 * MiB, [held])]}
 
 
@@ -229,6 +229,26 @@ def test_frames_that_are_not_a_list_count_as_none(tmp_path, place):
     advice = gpupool.advise(write(tmp_path, frameless(place)))
     expected = (sites.UNKNOWN, 40 * MiB) if place == "entry" else (sites.BEFORE_RECORDING, MiB)
     assert expected in advice.top_sites
+
+
+@pytest.mark.parametrize("requested_size", [None, 19 * MiB], ids=["2.0.0", "2.0.1"])
+def test_a_pytorch_2_0_block_is_advised_by_its_newest_allocation(tmp_path, requested_size):
+    # PyTorch 2.0 keeps a block's frames (and, in 2.0.0, its requested size) in its history,
+    # newest first; an unsplit block also keeps allocations older than its own, past its end.
+    def allocation(addr: int, real_size: int, name: str) -> dict:
+        return {"addr": addr, "real_size": real_size, "frames": [{"filename": f"{name}.py", "line": 1, "name": name}]}
+
+    at = 1 << 30
+    held = {
+        "size": 20 * MiB,
+        "state": LIVE,
+        "history": [allocation(at, 19 * MiB, "now"), allocation(at + 19 * MiB, 9, "old")],
+    }
+    if requested_size:
+        held["requested_size"] = requested_size
+    advice = gpupool.advise(write(tmp_path, {"device_traces": [[]], "segments": [segment(at, 20 * MiB, [held])]}))
+    assert advice.peak_live_bytes == 19 * MiB
+    assert advice.top_sites == [("now.py:1 (now)", 19 * MiB)]
 
 
 def test_the_progress_bar_shows_on_a_terminal_only(tmp_path):

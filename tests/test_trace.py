@@ -195,6 +195,44 @@ def test_an_old_snapshot_without_block_addresses_places_its_blocks_by_their_size
     assert trace.peak_live_bytes == 1000 + 2000 + 4096
 
 
+def pytorch_2_0_segment() -> dict:
+    """A segment as PyTorch 2.0 lists it: blocks without addresses, requested sizes or frames,
+    each with the history of the allocations made in it, newest first."""
+
+    def allocation(addr: int, real_size: int, line: int) -> dict:
+        return {"addr": addr, "real_size": real_size, "frames": [{"filename": "train.py", "line": line, "name": "f"}]}
+
+    return {
+        "device": 0,
+        "address": 0x100000,
+        "total_size": 22 * MiB,
+        "stream": 0,
+        "segment_type": "large",
+        "blocks": [
+            # 2 MiB + 1000 bytes rounds to 2 MiB + 1024; its earlier allocation was trimmed.
+            {"size": 2 * MiB + 1024, "state": "active_allocated", "history": [allocation(0x100000, 2 * MiB + 1000, 1)]},
+            # Not split (under 1 MiB would remain): the older allocation lies past the new one.
+            {
+                "size": 19 * MiB,
+                "state": "active_pending_free",
+                "history": [allocation(0x300400, 18 * MiB + 100, 2), allocation(0x1580000, 4096, 3)],
+            },
+            # Allocated while recording was off: its history is an older allocation's, elsewhere.
+            {"size": 1 * MiB - 1024, "state": "active_allocated", "history": [allocation(0x1600000, 512, 4)]},
+        ],
+    }
+
+
+def test_a_pytorch_2_0_snapshot_gives_what_its_blocks_requested(tmp_path):
+    trace = gtrace.load(dump(tmp_path, {"segments": [pytorch_2_0_segment()], "device_traces": [[]]}))
+    events = [(e.action, e.address, e.size) for e in trace]
+    assert events == [
+        ("alloc", 0x100000, 2 * MiB + 1000),
+        ("alloc", 0x300400, 18 * MiB + 100),
+        ("alloc", 0x1600400, 1 * MiB - 1024),  # no request recorded for it: the rounded size
+    ]
+
+
 class Sneaky:
     """Unpickling this would create a file: the loader must refuse to."""
 

@@ -204,6 +204,28 @@ def _entry_row(entry: Any, where: str) -> Row:
     return (action, address, size, stream, float(time_us))
 
 
+def _newest_allocation(block: Mapping[str, Any], address: Any) -> Mapping[str, Any]:
+    """PyTorch 2.0's blocks carry no ``frames`` (nor, in 2.0.0, ``requested_size``): a
+    ``history`` of the allocations made in the block holds them, newest first. The newest is
+    the block's own allocation when it starts at the block; older ones lie further on, in the
+    part a request did not split off. Empty when the block has no such history."""
+    history = block.get("history")
+    newest = history[0] if isinstance(history, list) and history else None
+    return newest if isinstance(newest, Mapping) and newest.get("addr") == address else {}
+
+
+def _requested(block: Mapping[str, Any], address: Any) -> tuple[str, Any]:
+    """A live block's requested bytes and the key they are read from: ``requested_size``, else
+    the ``real_size`` of its allocation in the history (PyTorch 2.0.0), else the rounded
+    ``size``. A ``requested_size`` of 0 says nothing: PyTorch makes no block for 0 bytes."""
+    if block.get("requested_size", 0) != 0:
+        return "requested_size", block["requested_size"]
+    newest = _newest_allocation(block, address)
+    if "real_size" in newest:
+        return "real_size", newest["real_size"]
+    return "size", block.get("size")
+
+
 def _live_before(
     rows: list[Row], segments: list[tuple[int, Mapping[str, Any]]], name: str
 ) -> list[tuple[int, int, int]]:
@@ -229,8 +251,7 @@ def _live_before(
             block_size = block.get("size") if isinstance(block, Mapping) else None
             follows = address + block_size if isinstance(address, int) and isinstance(block_size, int) else None
             if active and isinstance(address, int) and address not in seen:
-                size_key = "requested_size" if block.get("requested_size") else "size"
-                size = block.get(size_key)
+                size_key, size = _requested(block, address)
                 stream = segment.get("stream", 0)
                 if isinstance(size, int) and isinstance(stream, int):
                     at = f"{name}, segment {index}"

@@ -97,13 +97,12 @@ def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
             raise ValueError(f"{at}: expected a dict, got {reprlib.repr(block)}")
         size = _trace._u64(block.get("size"), "size", at)
         address = _trace._u64(block.get("address", address), "address", at)
-        requested = block.get("requested_size", size)
+        requested_key, requested = _trace._requested(block, address)
         frames = block.get("frames")
-        history = block.get("history")
-        if frames is None and isinstance(history, list) and history and isinstance(history[-1], Mapping):
-            frames = history[-1].get("frames")
+        if frames is None:
+            frames = _trace._newest_allocation(block, address).get("frames")
         live = block.get("state") in LIVE_STATES
-        blocks.append(Block(address, size, _trace._u64(requested, "requested_size", at), live, _frames(frames)))
+        blocks.append(Block(address, size, _trace._u64(requested, requested_key, at), live, _frames(frames)))
         address += size
     return blocks
 
