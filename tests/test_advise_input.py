@@ -251,6 +251,14 @@ def test_a_pytorch_2_0_block_is_advised_by_its_newest_allocation(tmp_path, reque
     assert advice.top_sites == [("now.py:1 (now)", 19 * MiB)]
 
 
+@pytest.mark.parametrize("state", ["active_pending_free", "active_awaiting_free"])
+def test_a_block_waiting_on_another_stream_is_live(tmp_path, state):
+    # PyTorch writes active_pending_free; its documented Snapshot type says active_awaiting_free.
+    held = block(1 << 30, 2 * MiB, MiB, state)
+    advice = gpupool.advise(write(tmp_path, {"device_traces": [[]], "segments": [segment(1 << 30, 2 * MiB, [held])]}))
+    assert (advice.peak_live_bytes, advice.history_start) == (MiB, 1)
+
+
 def test_the_progress_bar_shows_on_a_terminal_only(tmp_path):
     entries, segments = warmed_up()
     path = write(tmp_path, {"device_traces": [entries], "segments": segments})

@@ -233,6 +233,13 @@ def test_a_pytorch_2_0_snapshot_gives_what_its_blocks_requested(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("state", ["active_allocated", "active_pending_free", "active_awaiting_free"])
+def test_a_block_in_any_live_state_was_allocated_before_recording(tmp_path, state):
+    # PyTorch writes active_pending_free; its documented Snapshot type says active_awaiting_free.
+    trace = gtrace.load(dump(tmp_path, live_block(block={"state": state})))
+    assert [(e.action, e.address, e.size) for e in trace] == [("alloc", 0x1000, 512)]
+
+
 class Sneaky:
     """Unpickling this would create a file: the loader must refuse to."""
 

@@ -22,7 +22,9 @@ _GZIP_MAGIC = b"\x1f\x8b"
 # Events are fetched from the native trace in chunks, so iterating costs no full copy.
 _CHUNK = 65536
 # Snapshot block states of memory a user holds (pending: freed, waiting for other streams).
-_ACTIVE_STATES = ("active_allocated", "active_pending_free")
+# PyTorch writes "active_pending_free"; the Snapshot type its `_snapshot` docstring gives
+# names the same state "active_awaiting_free", and hand-made snapshots follow the docs.
+LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awaiting_free"))
 
 
 class Event(NamedTuple):
@@ -246,7 +248,7 @@ def _live_before(
             continue
         follows = segment.get("address")
         for number, block in enumerate(segment["blocks"]):
-            active = isinstance(block, Mapping) and block.get("state") in _ACTIVE_STATES
+            active = isinstance(block, Mapping) and block.get("state") in LIVE_STATES
             address = block.get("address", follows) if isinstance(block, Mapping) else None
             block_size = block.get("size") if isinstance(block, Mapping) else None
             follows = address + block_size if isinstance(address, int) and isinstance(block_size, int) else None

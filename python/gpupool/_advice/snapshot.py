@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool import trace as _trace
-from gpupool.trace import U64
+from gpupool.trace import LIVE_STATES, U64
 
 Row = tuple[str, int, int, int, float]
 
@@ -30,8 +30,6 @@ KNOWN_ACTIONS = frozenset(
     )
 )
 SEGMENT_ACTIONS = frozenset(("segment_alloc", "segment_free", "segment_map", "segment_unmap"))
-# Block states of memory a user holds (pending: freed, waiting for other streams).
-LIVE_STATES = frozenset(("active_allocated", "active_pending_free"))
 SMALL_SEGMENT = 2 << 20
 
 
