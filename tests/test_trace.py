@@ -340,6 +340,21 @@ def test_snapshots_of_several_devices_need_a_choice(tmp_path):
         gtrace.load(path, device=2)
 
 
+def test_a_snapshot_without_history_is_read_on_the_device_holding_its_segments(tmp_path):
+    # Recording off on a two-GPU job that used cuda:1: no entries, one segment on device 1.
+    held = live_block()
+    held["segments"][0]["device"] = 1
+    held["device_traces"] = [[], []]
+    path = dump(tmp_path, held)
+    assert [(e.action, e.address, e.size) for e in gtrace.load(path)] == [("alloc", 0x1000, 512)]
+    assert [len(t) for t in gtrace.load_each(path)] == [1]
+    held["segments"].append(dict(held["segments"][0], device=0))
+    path = dump(tmp_path, held)
+    with pytest.raises(ValueError, match=r"devices \[0, 1\] have segments; pick one"):
+        gtrace.load(path)
+    assert [len(t) for t in gtrace.load_each(path)] == [1, 1]
+
+
 def run_workload(pool: gpupool.Pool, steps: int = 400, seed: int = 7) -> None:
     """Allocations of mixed sizes with frees in between, leaving some live at the end."""
     rng = random.Random(seed)

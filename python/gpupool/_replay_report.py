@@ -43,7 +43,8 @@ def add_parser(commands: Any) -> None:
         "--device",
         type=int,
         metavar="N",
-        help="replay only device N of a snapshot (default: every device with a history, a row each)",
+        help="replay only device N of a snapshot (default: every device with a history, or with "
+        "segments where none has one; a row each)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="draw reserved and live memory over time (needs matplotlib)")

@@ -150,7 +150,8 @@ def load(path: PathLike, device: int | None = None) -> Trace:
     """Reads a trace file: an RMM logging CSV (plain or gzip) or a PyTorch memory snapshot
     pickle (``torch.cuda.memory._dump_snapshot``), told apart by their first bytes.
 
-    ``device`` picks a snapshot's device; by default the one device with trace entries.
+    ``device`` picks a snapshot's device; by default the one device with trace entries (with
+    none, the one holding segments).
     Malformed input raises ``ValueError`` naming the file and the line or entry.
     """
     path = os.fspath(path)  # an int would be opened as a file descriptor, and closed
@@ -163,14 +164,26 @@ def load(path: PathLike, device: int | None = None) -> Trace:
 
 def load_each(path: PathLike) -> list[Trace]:
     """Like ``load``, but a snapshot of several devices gives one trace per device with trace
-    entries (a job on several GPUs records them all in one file), in device order."""
+    entries (a job on several GPUs records them all in one file), or where recording was off,
+    per device holding segments; in device order."""
     path = os.fspath(path)
     if not _is_pickle(path):
         return [Trace(_native.Trace.read_csv(path))]
     snapshot = _read_pickle(path)
-    traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
+    devices = _devices(snapshot)[1] if isinstance(snapshot, Mapping) else []
+    return [from_snapshot(snapshot, device=d, name=path) for d in devices or [None]]
+
+
+def _devices(snapshot: Mapping[str, Any]) -> tuple[str, list[int]]:
+    """The devices a snapshot has data for and what that is: those with trace entries, or
+    where recording was off (no device has any), those holding segments."""
+    traces = snapshot.get("device_traces")
     recorded = [i for i, t in enumerate(traces) if t] if isinstance(traces, list) else []
-    return [from_snapshot(snapshot, device=d, name=path) for d in recorded or [None]]
+    if recorded:
+        return "traces", recorded
+    segments = snapshot.get("segments")
+    held = {s.get("device", 0) for s in segments if isinstance(s, Mapping)} if isinstance(segments, list) else set()
+    return "segments", sorted(d for d in held if isinstance(d, int) and not isinstance(d, bool))
 
 
 Row = tuple[str, int, int, int, float]
@@ -271,10 +284,10 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise ValueError(f"{name}: not a memory snapshot (no 'device_traces' list of lists)")
     if device is None:
-        recorded = [index for index, entries in enumerate(traces) if entries]
-        if len(recorded) > 1:
-            raise ValueError(f"{name}: devices {recorded} have traces; pick one with device=N")
-        device = recorded[0] if recorded else 0
+        what, devices = _devices(snapshot)
+        if len(devices) > 1:
+            raise ValueError(f"{name}: devices {devices} have {what}; pick one with device=N")
+        device = devices[0] if devices else 0
     if not 0 <= device < max(len(traces), 1):
         raise ValueError(f"{name}: no device {device} (the snapshot has {len(traces)})")
     entries = traces[device] if traces else []
