@@ -99,6 +99,26 @@ def test_expandable_runs_and_graph_pools_are_said_to_be_approximated(tmp_path):
     assert any("1 segments (0.02 GiB) belong to private pools" in note for note in advice.notes)
 
 
+def test_an_expandable_segment_is_rebuilt_from_its_maps_and_unmaps(tmp_path):
+    # Recorded after warm-up with 40 MiB mapped; the history maps 20 MiB more for a 45 MiB
+    # tensor, frees it, and empty_cache unmaps the 40 MiB past the 10 MiB block still held.
+    at = 1 << 30
+    entries = [
+        entry("segment_map", at + 40 * MiB, 20 * MiB, 1),
+        entry("alloc", at + 10 * MiB, 45 * MiB, 2),
+        entry("free_requested", at + 10 * MiB, 45 * MiB, 3),
+        entry("free_completed", at + 10 * MiB, 45 * MiB, 4),
+        entry("segment_unmap", at + 20 * MiB, 40 * MiB, 5),
+    ]
+    final = segment(at, 20 * MiB, [block(at, 10 * MiB, 10 * MiB, LIVE), block(at + 10 * MiB, 10 * MiB, 0, "inactive")])
+    final["is_expandable"] = True
+    recorded = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "expandable_segments": True}
+    snapshot = {"device_traces": [entries], "segments": [final], "allocator_settings": recorded}
+    advice = gpupool.advise(write(tmp_path, snapshot))
+    assert (advice.recorded.start_reserved_bytes, advice.recorded.peak_reserved_bytes) == (40 * MiB, 60 * MiB)
+    assert not any("outside every segment" in note for note in advice.notes)
+
+
 def test_a_recorded_setting_that_fits_no_capacity_is_advised_against(tmp_path, capsys):
     # A memory fraction this small needs a device 100,000 times the peak: the search gives up,
     # and replay results say so with None, which advice compared with numbers and crashed on.

@@ -15,6 +15,9 @@ from pool_checks import EXAMPLES_SCALE
 
 MiB = 1 << 20
 CONFIG = "strategy:pytorch,cross_stream_reuse:never"
+# Segments listed as PyTorch lists expandable ones: a segment per contiguous mapped range, with
+# segment_map and segment_unmap events for pages anywhere in them.
+EXPANDABLE = "strategy:expandable,cross_stream_reuse:never"
 
 # Sizes around PyTorch's boundaries: small (<= 1 MiB), shared 20 MiB segments, own segments.
 SIZES = st.one_of(st.integers(1, 1 << 20), st.integers(1 << 20, 10 << 20), st.integers(10 << 20, 48 << 20))
@@ -47,11 +50,11 @@ def state_of(snap: dict) -> tuple[set, set]:
     return segments, blocks
 
 
-def recording(before, after, flush: bool):
+def recording(before, after, flush: bool, config: str = CONFIG):
     """A pool that ran ``before``, started recording, then ran ``after``: its snapshot then,
     the final snapshot with the history since (device 0, PyTorch's format), and the most it
     reserved meanwhile."""
-    pool = gpupool.Pool("sim", capacity="64GiB", config=CONFIG)
+    pool = gpupool.Pool("sim", capacity="64GiB", config=config)
     live: list = []
     run(pool, before, live, empty_cache=flush)
     pool.record_history(max_entries=100_000)
@@ -62,9 +65,9 @@ def recording(before, after, flush: bool):
 
 
 @settings(max_examples=100 * EXAMPLES_SCALE)
-@given(OPS, OPS, st.booleans())
-def test_undoing_the_history_gives_the_state_it_began_in(before, after, flush):
-    then, final, peak = recording(before, after, flush)
+@given(OPS, OPS, st.booleans(), st.sampled_from([CONFIG, EXPANDABLE]))
+def test_undoing_the_history_gives_the_state_it_began_in(before, after, flush, config):
+    then, final, peak = recording(before, after, flush, config)
     [record] = snapshot.from_dict(final, "generated").devices or [None]
     if record is None:
         return

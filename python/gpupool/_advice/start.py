@@ -1,11 +1,13 @@
 """The starting state of a recording: the history undone against the final segments.
 
 Recording usually starts mid-run, after a warm-up. What existed then follows from the final
-state and the history, address by address: a segment whose first event is ``segment_free``
-existed (with that size), one whose first event is ``segment_alloc`` did not, one the history
-never touches existed if it exists at the end. The same goes for blocks: one whose first event
-is a ``free_completed`` was live at the start, one whose first is an ``alloc`` was not, and a
-live block the history never touches was live all along.
+state and the history. Segments: the segment events undone newest first; a ``segment_alloc``
+made its segment, a ``segment_free`` removed one of that size. An expandable segment is listed
+as one segment per contiguous mapped range, and its ``segment_map`` and ``segment_unmap``
+cover pages anywhere in it: undoing a map cuts its pages out of the range holding them, undoing
+an unmap puts them back beside the ranges they adjoin. Blocks, address by address: one whose
+first event is a ``free_completed`` was live at the start, one whose first is an ``alloc`` was
+not, and a live block the history never touches was live all along.
 """
 
 from __future__ import annotations
@@ -44,33 +46,66 @@ class StartState:
         return sum(s.size for s in self.segments)
 
 
-def _first_events(rows: Sequence[Row]) -> tuple[dict[int, Row], dict[int, Row]]:
-    """Per address, the first segment event and the first block event (alloc or completed free)."""
-    segments: dict[int, Row] = {}
+def _first_block_events(rows: Sequence[Row]) -> dict[int, Row]:
+    """Per address, the first block event (alloc or completed free)."""
     blocks: dict[int, Row] = {}
     for row in rows:
-        action, address = row[0], row[1]
-        if action in SEGMENT_ACTIONS:
-            segments.setdefault(address, row)
-        elif action in ("alloc", "free_completed"):
-            blocks.setdefault(address, row)
-    return segments, blocks
+        if row[0] in ("alloc", "free_completed"):
+            blocks.setdefault(row[1], row)
+    return blocks
+
+
+def _cut(mapped: list[StartSegment], address: int, size: int) -> list[StartSegment]:
+    """``mapped`` without the bytes ``[address, address + size)``."""
+    end, kept = address + size, []
+    for r in mapped:
+        if r.address < end and address < r.address + r.size:
+            if r.address < address:
+                kept.append(StartSegment(r.address, address - r.address, r.small, r.stream))
+            if end < r.address + r.size:
+                kept.append(StartSegment(end, r.address + r.size - end, r.small, r.stream))
+        else:
+            kept.append(r)
+    return kept
+
+
+def _join(mapped: list[StartSegment], address: int, size: int, stream: int) -> list[StartSegment]:
+    """``mapped`` with the bytes ``[address, address + size)`` of ``stream``, one range with the
+    ranges of that stream they adjoin."""
+    kept, beside, start, end = [], [], address, address + size
+    for r in _cut(mapped, address, size):
+        if r.stream == stream and (r.address + r.size == start or r.address == end):
+            beside.append(r)
+            start, end = min(start, r.address), max(end, r.address + r.size)
+        else:
+            kept.append(r)
+    small = beside[0].small if beside else size <= SMALL_SEGMENT
+    return [*kept, StartSegment(start, end - start, small, stream)]
+
+
+def _segments_at_start(rows: Sequence[Row], final: Sequence[Segment]) -> list[StartSegment]:
+    """The ``final`` segments with the segment events of ``rows`` undone, newest first."""
+    final_by_address = {s.address: s for s in final}
+    plain = {s.address: StartSegment(s.address, s.size, s.small, s.stream) for s in final if not s.expandable}
+    mapped = [StartSegment(s.address, s.size, s.small, s.stream) for s in final if s.expandable]
+    for action, address, size, stream, _ in reversed([r for r in rows if r[0] in SEGMENT_ACTIONS]):
+        if action == "segment_alloc":
+            plain.pop(address, None)
+        elif action == "segment_free":
+            known = final_by_address.get(address)
+            small = known.small if known is not None and known.size == size else size <= SMALL_SEGMENT
+            plain[address] = StartSegment(address, size, small, stream)
+        elif action == "segment_map":
+            mapped = _cut(mapped, address, size)
+        else:
+            mapped = _join(mapped, address, size, stream)
+    return sorted([*plain.values(), *mapped], key=lambda s: s.address)
 
 
 def starting_state(rows: Sequence[Row], final: Sequence[Segment]) -> StartState:
     """Undoes ``rows`` (one device's history, oldest first) against its ``final`` segments."""
-    first_segment, first_block = _first_events(rows)
-    final_by_address = {s.address: s for s in final}
-    segments = []
-    for s in final:
-        if s.address not in first_segment:
-            segments.append(StartSegment(s.address, s.size, s.small, s.stream))
-    for address, (action, _, size, stream, _) in first_segment.items():
-        if action == "segment_free":
-            known = final_by_address.get(address)
-            small = known.small if known is not None and known.size == size else size <= SMALL_SEGMENT
-            segments.append(StartSegment(address, size, small, stream))
-    segments.sort(key=lambda s: s.address)
+    first_block = _first_block_events(rows)
+    segments = _segments_at_start(rows, final)
     blocks = [
         StartBlock(address, size, stream)
         for address, (action, _, size, stream, _) in first_block.items()
