@@ -99,9 +99,10 @@ def test_expandable_runs_and_graph_pools_are_said_to_be_approximated(tmp_path):
     assert any("1 segments (0.02 GiB) belong to private pools" in note for note in advice.notes)
 
 
-def test_an_expandable_segment_is_rebuilt_from_its_maps_and_unmaps(tmp_path):
-    # Recorded after warm-up with 40 MiB mapped; the history maps 20 MiB more for a 45 MiB
-    # tensor, frees it, and empty_cache unmaps the 40 MiB past the 10 MiB block still held.
+def expandable_job() -> tuple[list[dict], list[dict]]:
+    """Recorded after warm-up with 40 MiB of an expandable segment mapped; the history maps 20
+    MiB more for a 45 MiB tensor, frees it, and empty_cache unmaps the 40 MiB past the 10 MiB
+    block still held. Returns (entries, final segments)."""
     at = 1 << 30
     entries = [
         entry("segment_map", at + 40 * MiB, 20 * MiB, 1),
@@ -112,11 +113,29 @@ def test_an_expandable_segment_is_rebuilt_from_its_maps_and_unmaps(tmp_path):
     ]
     final = segment(at, 20 * MiB, [block(at, 10 * MiB, 10 * MiB, LIVE), block(at + 10 * MiB, 10 * MiB, 0, "inactive")])
     final["is_expandable"] = True
+    return entries, [final]
+
+
+def test_an_expandable_segment_is_rebuilt_from_its_maps_and_unmaps(tmp_path):
+    entries, segments = expandable_job()
     recorded = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "expandable_segments": True}
-    snapshot = {"device_traces": [entries], "segments": [final], "allocator_settings": recorded}
+    snapshot = {"device_traces": [entries], "segments": segments, "allocator_settings": recorded}
     advice = gpupool.advise(write(tmp_path, snapshot))
     assert (advice.recorded.start_reserved_bytes, advice.recorded.peak_reserved_bytes) == (40 * MiB, 60 * MiB)
     assert not any("outside every segment" in note for note in advice.notes)
+
+
+@pytest.mark.parametrize("sign", ["is_expandable", "segment_map"])
+def test_expandable_segments_are_seen_where_no_settings_were_recorded(tmp_path, sign):
+    # Older PyTorch recorded no allocator settings, expandable segments or not.
+    entries, segments = expandable_job()
+    if sign == "is_expandable":
+        entries = [e for e in entries if e["action"] not in ("segment_map", "segment_unmap")]
+    else:
+        segments[0]["is_expandable"] = False
+    advice = gpupool.advise(write(tmp_path, {"device_traces": [entries], "segments": segments}))
+    assert advice.as_run.gpupool_config.startswith("strategy:expandable")
+    assert any("defaults are assumed, with the expandable segments its segments show" in n for n in advice.notes)
 
 
 def test_a_recorded_setting_that_fits_no_capacity_is_advised_against(tmp_path, capsys):

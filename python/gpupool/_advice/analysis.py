@@ -148,7 +148,8 @@ def _recorded(
     if ran.unknown:
         notes.append("Recorded settings not simulated: " + "; ".join(ran.unknown) + ".")
     if not ran.recorded:
-        notes.append("The snapshot records no allocator settings: PyTorch's defaults are assumed.")
+        shown = ", with the expandable segments its segments show" if ran.expandable else ""
+        notes.append(f"The snapshot records no allocator settings: PyTorch's defaults are assumed{shown}.")
     recorded = Recorded(
         config=ran.env,
         settings_recorded=ran.recorded,
@@ -229,7 +230,7 @@ def _advise_each(source: Any, capacity: int | str | None, progress: Progress | N
     loaded = load(source)
     if not loaded.devices:
         raise ValueError(f"{loaded.name}: no device has a history or segments")
-    ran = settings.from_recorded(loaded.settings)
+    ran = settings.from_recorded(loaded.settings, loaded.shows_expandable)
     return [advise_device(loaded.name, record, ran, limit, progress) for record in loaded.devices]
 
 
@@ -256,5 +257,5 @@ def _advise_one(source: Any, capacity: int | str | None, device: int | None) -> 
     if len(records) > 1:
         have = [r.device for r in records]
         raise ValueError(f"{loaded.name}: devices {have} have data; pick one with device=N, or use advise_each")
-    ran = settings.from_recorded(loaded.settings)
+    ran = settings.from_recorded(loaded.settings, loaded.shows_expandable)
     return advise_device(loaded.name, records[0], ran, limit)

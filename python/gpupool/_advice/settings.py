@@ -77,11 +77,13 @@ def _divisions(table: Any) -> str | None:
     return "[" + ",".join(f"{start}:{count}" for start, count in sorted(pairs)) + "]"
 
 
-def from_recorded(recorded: Mapping[str, Any] | None) -> Settings:
-    """The settings of ``allocator_settings`` (PyTorch's defaults when the snapshot has none).
-    What cannot be read or taken is named in ``unknown`` and left out, never fatal."""
+def from_recorded(recorded: Mapping[str, Any] | None, expandable_shown: bool = False) -> Settings:
+    """The settings of ``allocator_settings``. When the snapshot has none (older PyTorch wrote
+    none, with expandable segments too), PyTorch's defaults, with expandable segments where
+    ``expandable_shown``: the segments or their events show them. What cannot be read or taken
+    is named in ``unknown`` and left out, never fatal."""
     if recorded is None:
-        return Settings("", recorded=False)
+        return Settings("expandable_segments:True" if expandable_shown else "", recorded=False)
     text = next((v for k in _STRING_KEYS if isinstance(v := recorded.get(k), str)), "")
     items = _items(text)
     split = recorded.get("max_split_size")

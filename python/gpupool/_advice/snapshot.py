@@ -77,6 +77,14 @@ class Snapshot:
     # ``allocator_settings`` as recorded; ``None`` when the snapshot has none.
     settings: Mapping[str, Any] | None
 
+    @property
+    def shows_expandable(self) -> bool:
+        """Whether a segment is expandable or the history maps or unmaps pages: the sign of
+        expandable segments in snapshots that record no settings."""
+        return any(s.expandable for d in self.devices for s in d.segments) or any(
+            row[0] in ("segment_map", "segment_unmap") for d in self.devices for row in d.rows
+        )
+
 
 def _frames(value: Any) -> Sequence[Any]:
     """Recorded stack frames: a list of them, or none when anything else is recorded there."""
