@@ -298,6 +298,18 @@ OUT_OF_RANGE = {
     "live block address -5": (live_block(block={"address": -5}), rf"segment 0, block 0: 'address' {ABOVE_U64} -5"),
     "live block size 2**64": (live_block(block={"requested_size": 2**64}), rf"block 0: 'requested_size' {ABOVE_U64}"),
     "segment stream -1": (live_block(stream=-1), rf"snap\.pickle, segment 0: 'stream' {ABOVE_U64} -1"),
+    # Skipped, these live blocks would vanish from the replay without a word.
+    "live block size '512'": (live_block(block={"size": "512"}), rf"segment 0, block 0: 'size' {ABOVE_U64} '512'"),
+    "live block stream 'x'": (live_block(stream="x"), rf"snap\.pickle, segment 0: 'stream' {ABOVE_U64} 'x'"),
+    "no address to follow": (
+        dict(live_block(), segments=[{"total_size": 512, "blocks": [{"size": 512, "state": "active_allocated"}]}]),
+        rf"segment 0, block 0: 'address' {ABOVE_U64} None",
+    ),
+}
+
+MALFORMED_PICKLES |= {
+    "block not a dict": (live_block(blocks=[512]), r"snap\.pickle, segment 0, block 0: expected a dict, got 512"),
+    "blocks not a list": (live_block(blocks=512), r"snap\.pickle, segment 0: 'blocks' must be a list, got 512"),
 }
 
 

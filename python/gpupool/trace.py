@@ -255,24 +255,24 @@ def _live_before(
             before.append((address, size, stream))
         if action in ("alloc", "free_completed"):
             seen.add(address)
-    # A block the trace never touches was allocated before it and is still live.
+    # A block the trace never touches was allocated before it and is still live. A block that
+    # cannot be placed or sized is an error, as in `gpupool advise`: skipped, a live tensor
+    # would vanish from the replay.
     for index, segment in segments:
-        if not isinstance(segment.get("blocks"), list):
-            continue
+        at = f"{name}, segment {index}"
+        blocks = segment.get("blocks", [])
+        if not isinstance(blocks, list):
+            raise ValueError(f"{at}: 'blocks' must be a list, got {reprlib.repr(blocks)}")
         follows = segment.get("address")
-        for number, block in enumerate(segment["blocks"]):
-            active = isinstance(block, Mapping) and block.get("state") in LIVE_STATES
-            address = block.get("address", follows) if isinstance(block, Mapping) else None
-            block_size = block.get("size") if isinstance(block, Mapping) else None
-            follows = address + block_size if isinstance(address, int) and isinstance(block_size, int) else None
-            if active and isinstance(address, int) and address not in seen:
+        for number, block in enumerate(blocks):
+            block_at = f"{at}, block {number}"
+            if not isinstance(block, Mapping):
+                raise ValueError(f"{block_at}: expected a dict, got {reprlib.repr(block)}")
+            address = _u64(block.get("address", follows), "address", block_at)
+            follows = address + _u64(block.get("size"), "size", block_at)
+            if block.get("state") in LIVE_STATES and address not in seen:
                 size_key, size = _requested(block, address)
-                stream = segment.get("stream", 0)
-                if isinstance(size, int) and isinstance(stream, int):
-                    at = f"{name}, segment {index}"
-                    block_at = f"{at}, block {number}"
-                    address, size = _u64(address, "address", block_at), _u64(size, size_key, block_at)
-                    before.append((address, size, _u64(stream, "stream", at)))
+                before.append((address, _u64(size, size_key, block_at), _u64(segment.get("stream", 0), "stream", at)))
     return before
 
 
