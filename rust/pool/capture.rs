@@ -119,6 +119,9 @@ impl<D: Device> Pool<D> {
         while let Some(handle) = held.next() {
             match self.free_to_cache(handle) {
                 Ok(segment) => cached |= segment.is_some(),
+                // No longer a live allocation (freed again, for an export, while the capture
+                // ran): nothing is left to free, and held it would fail every settle after.
+                Err(PoolError::Heap(_)) => {}
                 Err(e) => {
                     // A failed free changed nothing: it and those after it stay held for a retry,
                     // rather than live forever with no one to free them.

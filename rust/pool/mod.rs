@@ -24,7 +24,8 @@ pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
 
 use crate::core::{
-    BlockState, Handle, Heap, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, SHARED,
+    BlockState, Handle, Heap, HeapError, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats,
+    SHARED,
 };
 use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
@@ -477,6 +478,10 @@ impl<D: Device> Pool<D> {
     #[inline(always)]
     fn free_to_cache(&mut self, handle: Handle) -> Result<Option<SegmentId>, PoolError> {
         if self.captures_graphs && self.used_by_capture(handle)? {
+            // Still live in the heap until the capture ends: a second free is caught here.
+            if self.held_for_capture.contains(&handle) {
+                return Err(HeapError::NotAllocated.into());
+            }
             self.held_for_capture.push(handle);
             return Ok(None);
         }

@@ -246,4 +246,36 @@ mod tests {
         assert_eq!(active, Some(0), "no block left live");
         pool.check_invariants().unwrap();
     }
+
+    /// A block freed twice while its stream captures (or freed, then handed to an export) is
+    /// freed once: the second free is refused as a double free, and a held entry that no longer
+    /// names a live allocation is dropped when the capture ends. Kept, it failed every settle
+    /// after it, so that every synchronize, `empty_cache` and uncached allocation failed for good.
+    #[test]
+    fn a_block_freed_twice_during_a_capture_is_freed_once() {
+        for second in ["free", "free_held"] {
+            let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
+            let mut pool = Pool::new(device, Config::parse("strategy:pytorch").unwrap());
+            let side = pool.create_stream().unwrap();
+            let a = pool.alloc_on(4 << 20, side).unwrap();
+            pool.device_mut().capturing = Some(side);
+            pool.free(a.handle).unwrap();
+            let export = match second {
+                "free" => {
+                    assert!(pool.free(a.handle).is_err(), "a double free while held for the capture");
+                    None
+                }
+                _ => Some(pool.free_held(a.handle).unwrap()),
+            };
+            pool.device_mut().capturing = None;
+            pool.synchronize().unwrap();
+            assert_eq!(pool.held_for_capture(), 0, "{second}");
+            assert!(pool.alloc(64 << 20).is_ok(), "{second}: the pool still allocates");
+            if let Some(export) = export {
+                pool.release_held(export).unwrap();
+            }
+            pool.empty_cache().unwrap();
+            pool.check_invariants().unwrap();
+        }
+    }
 }
