@@ -278,4 +278,27 @@ mod tests {
             pool.check_invariants().unwrap();
         }
     }
+
+    /// A synchronize whose settling of the capture's frees fails still applies the release
+    /// watermark to the held blocks it completed before that: it did so when they were
+    /// released one by one, and `synchronize` adds it after completing them all.
+    #[test]
+    fn a_synchronize_that_fails_still_applies_the_watermark() {
+        let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
+        let mut pool = Pool::new(device, Config::parse("strategy:pytorch,release_threshold:0").unwrap());
+        let side = pool.create_stream().unwrap();
+        let freed = pool.alloc_on(12 << 20, side).unwrap();
+        let exported = pool.alloc_on(12 << 20, side).unwrap();
+        let export = pool.free_held(exported.handle).unwrap();
+        pool.device_mut().capturing = Some(side);
+        pool.free(freed.handle).unwrap();
+        pool.release_held(export).unwrap();
+        pool.device_mut().capturing = None;
+        pool.device_mut().queries_fail = true;
+        let reserved = pool.reserved();
+        assert!(pool.synchronize().is_err(), "settling the capture's free asks the device, which fails");
+        assert_eq!(pool.held_blocks(), 0, "the export's block was completed");
+        assert!(pool.reserved() < reserved, "and its idle segment given back by the watermark");
+        pool.check_invariants().unwrap();
+    }
 }

@@ -79,9 +79,11 @@ impl<D: Device> Pool<D> {
     /// blocks become free and, unless cross-stream reuse is off, every stream's free blocks
     /// become shared.
     pub fn synchronize(&mut self) -> Result<(), PoolError> {
-        self.complete_all()?;
+        // Also after a failure: the frees completed before it are done, and left to the
+        // watermark's next free, `direct` would keep their memory reserved meanwhile.
+        let completed = self.complete_all();
         self.after_completions();
-        Ok(())
+        completed
     }
 
     /// [`Pool::synchronize`] without the release watermark, for callers that give back every
