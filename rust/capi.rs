@@ -144,15 +144,30 @@ extern "C" fn mark_forked() {
     }
 }
 
-/// Arms [`FORKED`] for children forked from now on, on the first call that reaches
-/// [`global`]. No `Once`: a child forked while another thread ran one would wait for it forever.
-fn watch_forks() {
-    static WATCHING: AtomicBool = AtomicBool::new(false);
-    // Read first: every call passes here, and a swap would write the shared line each time.
-    if !WATCHING.load(Ordering::Relaxed) && !WATCHING.swap(true, Ordering::SeqCst) {
-        // SAFETY: the handler runs in the child right after the fork, where only
-        // async-signal-safe code may run: atomic loads and a store are.
-        unsafe { libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn())) };
+/// Arms [`FORKED`] for children forked from now on.
+extern "C" fn watch_forks() {
+    // SAFETY: the handler runs in the child right after the fork, where only async-signal-safe
+    // code may run: atomic loads and a store are.
+    unsafe { libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn())) };
+}
+
+/// [`watch_forks`] runs as the library loads, before any thread can call it. Registered by the
+/// first call instead, a second thread could pass it before the registration was made and take
+/// the process-wide lock, and a fork then would copy that lock into a child nothing marks.
+#[cfg(target_os = "linux")]
+#[used]
+#[link_section = ".init_array"]
+static WATCH_FORKS_ON_LOAD: extern "C" fn() = watch_forks;
+
+/// Elsewhere, on the first call that reaches [`global`] (no `Once`: a child forked while
+/// another thread ran one would wait for it forever).
+fn watch_forks_once() {
+    #[cfg(not(target_os = "linux"))]
+    {
+        static WATCHING: AtomicBool = AtomicBool::new(false);
+        if !WATCHING.load(Ordering::Relaxed) && !WATCHING.swap(true, Ordering::SeqCst) {
+            watch_forks();
+        }
     }
 }
 
@@ -184,7 +199,7 @@ impl Drop for GlobalGuard {
 /// The process-wide lock; every way to a pool starts here, so a forked child is refused here,
 /// before any lock or driver call.
 fn global() -> Result<GlobalGuard, String> {
-    watch_forks();
+    watch_forks_once();
     IN_GLOBAL.fetch_add(1, Ordering::SeqCst);
     let mut guard = GlobalGuard(None);
     if FORKED.load(Ordering::SeqCst) {
