@@ -154,6 +154,28 @@ mod tests {
         queries_fail: bool,
     }
 
+    impl Capturing {
+        fn new() -> Self {
+            Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false }
+        }
+    }
+
+    /// A pool on `Capturing` under `config` with a 12 MiB free and a 12 MiB export's release
+    /// held for a capture on a side stream that has just ended.
+    fn held_for_an_ended_capture(config: &str) -> Pool<Capturing> {
+        let mut pool = Pool::new(Capturing::new(), Config::parse(config).unwrap());
+        let side = pool.create_stream().unwrap();
+        let freed = pool.alloc_on(12 << 20, side).unwrap();
+        let exported = pool.alloc_on(12 << 20, side).unwrap();
+        let export = pool.free_held(exported.handle).unwrap();
+        pool.device_mut().capturing = Some(side);
+        pool.free(freed.handle).unwrap();
+        pool.release_held(export).unwrap();
+        assert_eq!((pool.held_for_capture(), pool.held_blocks()), (1, 1), "{config}");
+        pool.device_mut().capturing = None;
+        pool
+    }
+
     impl Device for Capturing {
         fn name(&self) -> &str {
             "sim"
@@ -203,17 +225,7 @@ mod tests {
     #[test]
     fn empty_cache_counts_frees_held_for_a_capture() {
         for config in ["strategy:direct", "strategy:pytorch,release_threshold:0"] {
-            let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
-            let mut pool = Pool::new(device, Config::parse(config).unwrap());
-            let side = pool.create_stream().unwrap();
-            let freed = pool.alloc_on(12 << 20, side).unwrap();
-            let exported = pool.alloc_on(12 << 20, side).unwrap();
-            let export = pool.free_held(exported.handle).unwrap();
-            pool.device_mut().capturing = Some(side);
-            pool.free(freed.handle).unwrap();
-            pool.release_held(export).unwrap();
-            assert_eq!((pool.held_for_capture(), pool.held_blocks()), (1, 1), "{config}");
-            pool.device_mut().capturing = None;
+            let mut pool = held_for_an_ended_capture(config);
             let reserved = pool.reserved();
             assert!(reserved >= 24 << 20, "{config}: both blocks wait for the capture");
             assert_eq!(pool.empty_cache().unwrap(), reserved, "{config}");
@@ -226,8 +238,7 @@ mod tests {
     /// still captures) stays held, with those after it: retried later, not leaked.
     #[test]
     fn a_held_free_that_fails_stays_held() {
-        let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
-        let mut pool = Pool::new(device, Config::parse("strategy:pytorch").unwrap());
+        let mut pool = Pool::new(Capturing::new(), Config::parse("strategy:pytorch").unwrap());
         let side = pool.create_stream().unwrap();
         let blocks: Vec<_> = (0..3).map(|_| pool.alloc_on(4 << 20, side).unwrap()).collect();
         pool.device_mut().capturing = Some(side);
@@ -254,8 +265,7 @@ mod tests {
     #[test]
     fn a_block_freed_twice_during_a_capture_is_freed_once() {
         for second in ["free", "free_held"] {
-            let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
-            let mut pool = Pool::new(device, Config::parse("strategy:pytorch").unwrap());
+            let mut pool = Pool::new(Capturing::new(), Config::parse("strategy:pytorch").unwrap());
             let side = pool.create_stream().unwrap();
             let a = pool.alloc_on(4 << 20, side).unwrap();
             pool.device_mut().capturing = Some(side);
@@ -284,16 +294,7 @@ mod tests {
     /// released one by one, and `synchronize` adds it after completing them all.
     #[test]
     fn a_synchronize_that_fails_still_applies_the_watermark() {
-        let device = Capturing { sim: Sim::new(1 << 30), capturing: None, queries_fail: false };
-        let mut pool = Pool::new(device, Config::parse("strategy:pytorch,release_threshold:0").unwrap());
-        let side = pool.create_stream().unwrap();
-        let freed = pool.alloc_on(12 << 20, side).unwrap();
-        let exported = pool.alloc_on(12 << 20, side).unwrap();
-        let export = pool.free_held(exported.handle).unwrap();
-        pool.device_mut().capturing = Some(side);
-        pool.free(freed.handle).unwrap();
-        pool.release_held(export).unwrap();
-        pool.device_mut().capturing = None;
+        let mut pool = held_for_an_ended_capture("strategy:pytorch,release_threshold:0");
         pool.device_mut().queries_fail = true;
         let reserved = pool.reserved();
         assert!(pool.synchronize().is_err(), "settling the capture's free asks the device, which fails");
