@@ -265,10 +265,29 @@ def test_integrations_import_their_framework_lazily(module, monkeypatch):
     # A None entry in sys.modules makes the framework's import fail, as if it were not installed.
     monkeypatch.setitem(sys.modules, module, None)
     integration = importlib.import_module(f"gpupool.{module}")
+    if module == "numba":
+        # A module attribute that cannot exist is an AttributeError (hasattr() stays usable),
+        # caused by the failed import.
+        assert not hasattr(integration, "GpupoolMemoryManager")
+        with pytest.raises(AttributeError, match="GpupoolMemoryManager needs Numba") as caught:
+            integration.GpupoolMemoryManager  # noqa: B018
+        assert isinstance(caught.value.__cause__, ImportError)
+        return
     with pytest.raises(ImportError):
         if module == "torch":
             integration.install()
-        elif module == "cupy":
-            integration.allocator(gpupool.Pool("host"))
         else:
-            integration.GpupoolMemoryManager  # noqa: B018
+            integration.allocator(gpupool.Pool("host"))
+
+
+def test_the_cupy_error_class_is_absent_without_cupy(monkeypatch):
+    import gpupool.cupy
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # an import of cupy now fails
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.memory", None)
+    assert not hasattr(gpupool.cupy, "CupyOutOfMemoryError")
+    assert getattr(gpupool.cupy, "CupyOutOfMemoryError", "absent") == "absent"
+    with pytest.raises(AttributeError, match="CupyOutOfMemoryError needs CuPy") as caught:
+        gpupool.cupy.CupyOutOfMemoryError  # noqa: B018
+    assert isinstance(caught.value.__cause__, ImportError)

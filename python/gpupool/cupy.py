@@ -40,7 +40,12 @@ def _out_of_memory_class() -> type:
 def __getattr__(name: str) -> Any:
     # The error class derives from CuPy's, so it is built on first access (unpickling asks here).
     if name == "CupyOutOfMemoryError":
-        return _out_of_memory_class()
+        try:
+            return _out_of_memory_class()
+        except ImportError as e:
+            # Without CuPy the class does not exist: an AttributeError keeps hasattr() and
+            # getattr(..., default) working, and says why.
+            raise AttributeError(f"gpupool.cupy.CupyOutOfMemoryError needs CuPy: {e}") from e
     raise AttributeError(f"module 'gpupool.cupy' has no attribute {name!r}")
 
 

@@ -187,7 +187,11 @@ def _build() -> type:
 def __getattr__(name: str) -> Any:
     # `_numba_memory_manager` is the name Numba's NUMBA_CUDA_MEMORY_MANAGER variable looks up.
     if name in ("GpupoolMemoryManager", "_numba_memory_manager"):
-        cls = _build()
+        try:
+            cls = _build()
+        except ImportError as e:
+            # As for any absent attribute (hasattr() stays usable), saying why it is absent.
+            raise AttributeError(f"gpupool.numba.{name} needs Numba: {e}") from e
         globals().update(GpupoolMemoryManager=cls, _numba_memory_manager=cls)
         return cls
     raise AttributeError(f"module 'gpupool.numba' has no attribute {name!r}")
