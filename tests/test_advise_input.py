@@ -83,7 +83,7 @@ def test_a_history_no_device_can_serve_fits_no_capacity(tmp_path, capsys):
     assert all(r.min_capacity_bytes is None for r in advice.recommended.values())
     assert cli.main(["advise", str(path)]) == 0
     answer = capsys.readouterr().out.split("Answer")[1]
-    assert answer.count("fits no capacity the search tried") == 2 and "saves" not in answer, answer
+    assert answer.count("fits no device size gpupool tried") == 2 and "saves" not in answer, answer
 
 
 def test_expandable_runs_and_graph_pools_are_said_to_be_approximated(tmp_path):
@@ -152,8 +152,8 @@ def test_a_recorded_setting_that_fits_no_capacity_is_advised_against(tmp_path, c
         assert r.min_capacity_bytes is not None and r.min_capacity_bytes < 1 << 30, family
         assert r.saved_bytes is None and r.saved_fraction is None, family
     assert cli.main(["advise", str(path), "--capacity", "80GiB", "--html", str(tmp_path / "r.html")]) == 0
-    assert "what you ran fits no capacity the search tried" in capsys.readouterr().out
-    assert "what you ran fits no capacity the search tried" in (tmp_path / "r.html").read_text()
+    assert "what you ran fits no device size gpupool tried" in capsys.readouterr().out
+    assert "what you ran fits no device size gpupool tried" in (tmp_path / "r.html").read_text()
     assert cli.main(["advise", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["recommended"]["pytorch"]["saved_bytes"] is None
 

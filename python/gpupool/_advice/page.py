@@ -60,9 +60,9 @@ def _chart_data(advice: Advice, units: _Units) -> dict[str, Any]:
 def _answer(r: Recommendation, units: _Units) -> str:
     who = "Stock PyTorch" if r.family == "pytorch" else "gpupool"
     if r.min_capacity_bytes is None:
-        return f"<p><b>{who}:</b> <code>{html.escape(r.env)}</code><br>fits no capacity the search tried</p>"
+        return f"<p><b>{who}:</b> <code>{html.escape(r.env)}</code><br>fits no device size gpupool tried</p>"
     if r.saved_bytes is None or r.saved_fraction is None:
-        saving = "what you ran fits no capacity the search tried"
+        saving = "what you ran fits no device size gpupool tried"
     elif r.family == "pytorch" and r.saved_bytes <= 0:
         saving = "no stock setting needs less than what you ran"
     elif r.saved_bytes < 0:

@@ -88,12 +88,12 @@ def _answer(r: Recommendation, advice: Advice, size: _Units) -> list[str]:
     env = r.env if not r.env.endswith("=") else f"{r.env.split('=')[0]} unset (PyTorch's defaults)"
     who = "PyTorch" if r.family == "pytorch" else "gpupool"
     if r.min_capacity_bytes is None:
-        lines = [f"  {who + ':':<9}{env}", f"{'':11}fits no capacity the search tried"]
+        lines = [f"  {who + ':':<9}{env}", f"{'':11}fits no device size gpupool tried"]
         if advice.capacity_bytes is not None:
             lines.append(f"{'':11}does not fit on {size(advice.capacity_bytes)}")
         return lines
     if r.saved_bytes is None or r.saved_fraction is None:
-        saving = "what you ran fits no capacity the search tried"
+        saving = "what you ran fits no device size gpupool tried"
     elif r.saved_bytes <= 0 and r.family == "pytorch":
         saving = "no stock setting needs less than what you ran"
     elif r.saved_bytes < 0:
