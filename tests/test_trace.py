@@ -367,6 +367,31 @@ def test_a_snapshot_without_history_is_read_on_the_device_holding_its_segments(t
     assert [len(t) for t in gtrace.load_each(path)] == [1, 1]
 
 
+def test_a_device_with_only_live_blocks_beside_a_recorded_one_is_read_too(tmp_path):
+    # A two-GPU job recorded after it had filled cuda:1, then used only cuda:0: cuda:1's tensors
+    # are in its segments, not its (empty) trace. A third segment on cuda:2 holds no live block.
+    snapshot = live_block()
+    snapshot["segments"][0]["device"] = 1
+    cached = {"address": 0x9000, "size": 512, "state": "inactive"}
+    snapshot["segments"].append({"device": 2, "address": 0x9000, "total_size": 512, "blocks": [cached]})
+    snapshot["device_traces"] = [[entry("alloc", addr=0x5000, size=64)], [], []]
+    path = dump(tmp_path, snapshot)
+    assert [[(e.action, e.address, e.size) for e in t] for t in gtrace.load_each(path)] == [
+        [("alloc", 0x5000, 64)],
+        [("alloc", 0x1000, 512)],
+    ]
+    with pytest.raises(ValueError, match=r"devices \[0, 1\] have traces or live blocks; pick one"):
+        gtrace.load(path)
+    assert len(gtrace.load(path, device=1)) == 1
+    assert len(gtrace.load(path, device=2)) == 0
+    # Segments of a device past the traces' list are read the same way.
+    snapshot["device_traces"] = [[entry("alloc", addr=0x5000, size=64)]]
+    path = dump(tmp_path, snapshot)
+    assert [len(t) for t in gtrace.load_each(path)] == [1, 1]
+    with pytest.raises(ValueError, match=r"no device 3 \(the snapshot has 1\)"):
+        gtrace.load(path, device=3)
+
+
 def run_workload(pool: gpupool.Pool, steps: int = 400, seed: int = 7) -> None:
     """Allocations of mixed sizes with frees in between, leaving some live at the end."""
     rng = random.Random(seed)

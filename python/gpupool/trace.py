@@ -8,7 +8,7 @@ import gzip
 import os
 import reprlib
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
 from gpupool import _native
@@ -150,8 +150,8 @@ def load(path: PathLike, device: int | None = None) -> Trace:
     """Reads a trace file: an RMM logging CSV (plain or gzip) or a PyTorch memory snapshot
     pickle (``torch.cuda.memory._dump_snapshot``), told apart by their first bytes.
 
-    ``device`` picks a snapshot's device; by default the one device with trace entries (with
-    none, the one holding segments).
+    ``device`` picks a snapshot's device; by default the one device with trace entries or live
+    blocks in its segments (with no entries anywhere, the one holding segments).
     Malformed input raises ``ValueError`` naming the file and the line or entry.
     """
     path = os.fspath(path)  # an int would be opened as a file descriptor, and closed
@@ -164,8 +164,8 @@ def load(path: PathLike, device: int | None = None) -> Trace:
 
 def load_each(path: PathLike) -> list[Trace]:
     """Like ``load``, but a snapshot of several devices gives one trace per device with trace
-    entries (a job on several GPUs records them all in one file), or where recording was off,
-    per device holding segments; in device order."""
+    entries or live blocks (a job on several GPUs records them all in one file), or where
+    recording was off, per device holding segments; in device order."""
     path = os.fspath(path)
     if not _is_pickle(path):
         return [Trace(_native.Trace.read_csv(path))]
@@ -175,15 +175,26 @@ def load_each(path: PathLike) -> list[Trace]:
 
 
 def _devices(snapshot: Mapping[str, Any]) -> tuple[str, list[int]]:
-    """The devices a snapshot has data for and what that is: those with trace entries, or
-    where recording was off (no device has any), those holding segments."""
+    """The devices a snapshot has data for and what that is: those with trace entries and those
+    whose segments hold live blocks (a GPU the job allocated on only before recording began),
+    or where recording was off (no device has entries), those holding segments."""
     traces = snapshot.get("device_traces")
-    recorded = [i for i, t in enumerate(traces) if t] if isinstance(traces, list) else []
-    if recorded:
-        return "traces", recorded
+    recorded = {i for i, t in enumerate(traces) if t} if isinstance(traces, list) else set()
     segments = snapshot.get("segments")
-    held = {s.get("device", 0) for s in segments if isinstance(s, Mapping)} if isinstance(segments, list) else set()
-    return "segments", sorted(d for d in held if isinstance(d, int) and not isinstance(d, bool))
+    segments = [s for s in segments if isinstance(s, Mapping)] if isinstance(segments, list) else []
+
+    def device_ids(found: Iterable[Any]) -> set[int]:
+        return {d for d in found if isinstance(d, int) and not isinstance(d, bool)}
+
+    if not recorded:
+        return "segments", sorted(device_ids(s.get("device", 0) for s in segments))
+    live = device_ids(s.get("device", 0) for s in segments if _holds_live_block(s)) - recorded
+    return ("traces or live blocks" if live else "traces"), sorted(recorded | live)
+
+
+def _holds_live_block(segment: Mapping[str, Any]) -> bool:
+    blocks = segment.get("blocks")
+    return isinstance(blocks, list) and any(isinstance(b, Mapping) and b.get("state") in LIVE_STATES for b in blocks)
 
 
 Row = tuple[str, int, int, int, float]
@@ -288,17 +299,18 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
         if len(devices) > 1:
             raise ValueError(f"{name}: devices {devices} have {what}; pick one with device=N")
         device = devices[0] if devices else 0
-    if not 0 <= device < max(len(traces), 1):
-        raise ValueError(f"{name}: no device {device} (the snapshot has {len(traces)})")
-    entries = traces[device] if traces else []
-    where = f"{name}, device_traces[{device}]"
-    rows = [_entry_row(entry, f"{where}, entry {index}") for index, entry in enumerate(entries)]
     all_segments = snapshot.get("segments")
     segments = [
         (index, s)
         for index, s in enumerate(all_segments if isinstance(all_segments, list) else [])
         if isinstance(s, Mapping) and s.get("device", 0) == device
     ]
+    # A device past the traces' list is one whose segments are all there is of it.
+    if device < 0 or (device >= max(len(traces), 1) and not segments):
+        raise ValueError(f"{name}: no device {device} (the snapshot has {len(traces)})")
+    entries = traces[device] if device < len(traces) else []
+    where = f"{name}, device_traces[{device}]"
+    rows = [_entry_row(entry, f"{where}, entry {index}") for index, entry in enumerate(entries)]
     native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name))
     return Trace(native)
 
