@@ -17,6 +17,7 @@ import pytest
 import gpupool
 from gpupool import _native
 from gpupool import trace as gtrace
+from gpupool._advice import snapshot as advise_snapshot
 from pool_checks import BLOCK_KEYS, SEGMENT_KEYS, MiB
 
 SHARED_TRACES = pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
@@ -273,7 +274,9 @@ MALFORMED_PICKLES = {
     ),
     "entry not a dict": (snapshot_with([1, 2]), r"entry 1: expected a dict"),
     "missing size": (snapshot_with({"action": "alloc", "addr": 32}), r"entry 1: 'size' must be"),
-    "not a snapshot": ({"segments": []}, r"snap\.pickle: not a memory snapshot"),
+    "not a snapshot": ({"blocks": []}, r"snap\.pickle: not a memory snapshot"),
+    "traces not lists": ({"segments": [], "device_traces": [None]}, r"snap\.pickle: not a memory snapshot"),
+    "a list, not of segments": ([{"address": 1}, 2], r"snap\.pickle: not a memory snapshot"),
 }
 
 
@@ -390,6 +393,21 @@ def test_a_device_with_only_live_blocks_beside_a_recorded_one_is_read_too(tmp_pa
     assert [len(t) for t in gtrace.load_each(path)] == [1, 1]
     with pytest.raises(ValueError, match=r"no device 3 \(the snapshot has 1\)"):
         gtrace.load(path, device=3)
+
+
+@pytest.mark.parametrize("form", ["torch.cuda.memory_snapshot()", "a dict of segments"])
+def test_segments_alone_are_read_as_the_blocks_live_in_them(tmp_path, form):
+    # torch.cuda.memory_snapshot() is the segments list of _snapshot(), without device_traces.
+    segments = live_block()["segments"]
+    segments[0]["blocks"].append({"address": 0x1200, "size": 256, "state": "inactive"})
+    path = dump(tmp_path, segments if form.startswith("torch") else {"segments": segments})
+    assert [(e.action, e.address, e.size) for e in gtrace.load(path)] == [("alloc", 0x1000, 512)]
+    assert [len(t) for t in gtrace.load_each(path)] == [1]
+    (record,) = advise_snapshot.read(path).devices
+    assert [(b.address, b.size, b.live) for b in record.segments[0].blocks] == [
+        (0x1000, 512, True),
+        (0x1200, 256, False),
+    ]
 
 
 def run_workload(pool: gpupool.Pool, steps: int = 400, seed: int = 7) -> None:

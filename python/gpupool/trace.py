@@ -169,7 +169,7 @@ def load_each(path: PathLike) -> list[Trace]:
     path = os.fspath(path)
     if not _is_pickle(path):
         return [Trace(_native.Trace.read_csv(path))]
-    snapshot = _read_pickle(path)
+    snapshot = _with_traces(_read_pickle(path))
     devices = _devices(snapshot)[1] if isinstance(snapshot, Mapping) else []
     return [from_snapshot(snapshot, device=d, name=path) for d in devices or [None]]
 
@@ -287,13 +287,26 @@ def _live_before(
     return before
 
 
+def _with_traces(snapshot: Any) -> Any:
+    """``snapshot`` with an empty ``device_traces`` where it has segments only: the list that
+    ``torch.cuda.memory_snapshot()`` returns, or a dict of just ``segments``. Anything else is
+    returned as it is."""
+    if isinstance(snapshot, list) and all(isinstance(s, Mapping) for s in snapshot):
+        return {"segments": snapshot, "device_traces": []}
+    if isinstance(snapshot, Mapping) and "device_traces" not in snapshot and isinstance(snapshot.get("segments"), list):
+        return {**snapshot, "device_traces": []}
+    return snapshot
+
+
 def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapshot") -> Trace:
     """A trace from a PyTorch snapshot dict (or ``Pool.snapshot()``): its ``alloc`` and
     ``free_completed`` entries, ``oom`` entries as recorded failures, and the blocks allocated
-    before recording began as allocations at the start."""
+    before recording began as allocations at the start. Segments alone (the list
+    ``torch.cuda.memory_snapshot()`` returns) give their live blocks."""
+    snapshot = _with_traces(snapshot)
     traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
-        raise ValueError(f"{name}: not a memory snapshot (no 'device_traces' list of lists)")
+        raise ValueError(f"{name}: not a memory snapshot (no 'device_traces' list of lists, nor a 'segments' list)")
     if device is None:
         what, devices = _devices(snapshot)
         if len(devices) > 1:

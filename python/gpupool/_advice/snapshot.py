@@ -188,9 +188,12 @@ def from_dict(snapshot: Any, name: str) -> Snapshot:
 
 
 def _from_dict(snapshot: Any, name: str) -> Snapshot:
+    snapshot = _trace._with_traces(snapshot)
     traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
-        raise ValueError(f"{name}: not a PyTorch memory snapshot (no 'device_traces' list of lists)")
+        raise ValueError(
+            f"{name}: not a PyTorch memory snapshot (no 'device_traces' list of lists, nor a 'segments' list)"
+        )
     segments = _segments(snapshot, name)
     devices = []
     for device in sorted(set(range(len(traces))) | set(segments)):
