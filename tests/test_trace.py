@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import gpupool
@@ -353,6 +354,17 @@ def test_snapshots_of_several_devices_need_a_choice(tmp_path):
     assert len(gtrace.load(path, device=1)) == 1
     with pytest.raises(ValueError, match="no device 2"):
         gtrace.load(path, device=2)
+
+
+@pytest.mark.parametrize("device", [True, "1", 1.0])
+def test_a_device_that_is_not_an_int_is_a_type_error(tmp_path, device):
+    entries = [{"action": "alloc", "addr": 16, "size": 8}]
+    path = dump(tmp_path, {"segments": [], "device_traces": [entries, entries]})
+    with pytest.raises(TypeError, match=f"device must be an int, got {device!r}"):
+        gtrace.load(path, device=device)
+    with pytest.raises(TypeError, match="device must be an int"):
+        gtrace.from_snapshot({"segments": [], "device_traces": [entries, entries]}, device=device)
+    assert len(gtrace.load(path, device=np.int64(1))) == 1
 
 
 def test_a_snapshot_without_history_is_read_on_the_device_holding_its_segments(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import gzip
+import operator
 import os
 import reprlib
 import zlib
@@ -155,6 +156,7 @@ def load(path: PathLike, device: int | None = None) -> Trace:
     Malformed input raises ``ValueError`` naming the file and the line or entry.
     """
     path = os.fspath(path)  # an int would be opened as a file descriptor, and closed
+    device = _device_index(device)
     if _is_pickle(path):
         return from_snapshot(_read_pickle(path), device=device, name=path)
     if device not in (None, 0):
@@ -287,6 +289,18 @@ def _live_before(
     return before
 
 
+def _device_index(device: Any) -> int | None:
+    """``device`` as an int (NumPy integers too), or None; anything else is a TypeError."""
+    if device is None:
+        return None
+    try:
+        if isinstance(device, bool):
+            raise TypeError
+        return operator.index(device)
+    except TypeError:
+        raise TypeError(f"device must be an int, got {reprlib.repr(device)}") from None
+
+
 def _with_traces(snapshot: Any) -> Any:
     """``snapshot`` with an empty ``device_traces`` where it has segments only: the list that
     ``torch.cuda.memory_snapshot()`` returns, or a dict of just ``segments``. Anything else is
@@ -303,7 +317,7 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
     ``free_completed`` entries, ``oom`` entries as recorded failures, and the blocks allocated
     before recording began as allocations at the start. Segments alone (the list
     ``torch.cuda.memory_snapshot()`` returns) give their live blocks."""
-    snapshot = _with_traces(snapshot)
+    snapshot, device = _with_traces(snapshot), _device_index(device)
     traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise ValueError(f"{name}: not a memory snapshot (no 'device_traces' list of lists, nor a 'segments' list)")
