@@ -43,6 +43,9 @@ def test_several_devices_are_each_advised(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"devices \[0, 1\] have data; pick one"):
         gpupool.advise(path)
     assert gpupool.advise(path, device=1).device == 1
+    # True == 1 in Python: it must not pick device 1.
+    with pytest.raises(TypeError, match="device must be an int, got True"):
+        gpupool.advise(path, device=True)
     assert cli.main(["advise", str(path)]) == 0
     out = capsys.readouterr().out
     assert "job.pickle, device 0" in out and "job.pickle, device 1" in out

@@ -248,7 +248,7 @@ def advise(source: Any, capacity: int | str | None = None, device: int | None = 
 
 
 def _advise_one(source: Any, capacity: int | str | None, device: int | None) -> Advice:
-    limit = _native.parse_capacity(capacity)
+    limit, device = _native.parse_capacity(capacity), gtrace._device_index(device)
     loaded = load(source)
     records = [r for r in loaded.devices if device is None or r.device == device]
     if not records:
