@@ -447,3 +447,16 @@ def test_a_bad_capacity_is_refused_as_replay_refuses_it(tmp_path, capacity, erro
     if isinstance(capacity, str):
         with pytest.raises(SystemExit, match=f"gpupool advise: {message}"):
             cli.main(["advise", str(path), "--capacity", capacity])
+
+
+def test_the_answer_says_how_much_a_device_is_short_or_spare(tmp_path, capsys):
+    entries, segments = warmed_up()
+    path = write(tmp_path, {"device_traces": [entries], "segments": segments})
+    needs = gpupool.advise(path).recommended["gpupool"].min_capacity_bytes
+    for capacity, said in (
+        (needs - 3 * MiB, "does not fit on {} (3.00 MiB short)"),
+        (needs + 5 * MiB, "fits on {} (5.00 MiB headroom)"),
+    ):
+        assert cli.main(["advise", str(path), "--capacity", str(capacity)]) == 0
+        answer = capsys.readouterr().out.split("Answer")[1].split("gpupool:")[1]
+        assert said.format(f"{capacity / MiB:.2f} MiB") in answer, answer

@@ -103,8 +103,10 @@ def _answer(r: Recommendation, advice: Advice, size: _Units) -> list[str]:
     lines = [f"  {who + ':':<9}{env}", f"{'':11}needs {size(r.min_capacity_bytes)}; {saving}"]
     if advice.capacity_bytes is not None:
         room = advice.capacity_bytes - r.min_capacity_bytes
-        verdict = "fits" if room >= 0 else "does not fit"
-        lines.append(f"{'':11}{verdict} on {size(advice.capacity_bytes)} ({size(room, sign=True)} headroom)")
+        if room >= 0:
+            lines.append(f"{'':11}fits on {size(advice.capacity_bytes)} ({size(room)} headroom)")
+        else:
+            lines.append(f"{'':11}does not fit on {size(advice.capacity_bytes)} ({size(-room)} short)")
     return lines
 
 
