@@ -382,6 +382,29 @@ fn default_gives_back_idle_free_pages_when_the_device_refuses() {
     pool.check_invariants().unwrap();
 }
 
+/// A hole that fits a recent large request exactly is kept for it: a mid-size block whose best
+/// fit it is goes to the small range, and the next request of that size reuses the hole. A hole
+/// of no recent size still takes mid-size blocks at its front.
+#[test]
+fn default_keeps_holes_of_a_recent_large_size() {
+    let mut pool = Pool::new(Sim::new(1 << 30), config("default"));
+    let blocks: Vec<_> = (0..3).map(|_| pool.alloc(24 * MIB).unwrap()).collect();
+    pool.free(blocks[1].handle).unwrap();
+    let mid = pool.alloc(768 << 10).unwrap();
+    let hole = blocks[1].address..blocks[2].address;
+    assert!(!hole.contains(&mid.address), "the 24 MiB hole is kept whole");
+    assert_eq!(pool.alloc(24 * MIB).unwrap().address, blocks[1].address);
+    pool.check_invariants().unwrap();
+
+    let mut pool = Pool::new(Sim::new(1 << 30), config("default"));
+    let blocks: Vec<_> = (0..4).map(|_| pool.alloc(24 * MIB).unwrap()).collect();
+    pool.free(blocks[1].handle).unwrap();
+    pool.free(blocks[2].handle).unwrap();
+    // 48 MiB: no request had that size.
+    assert_eq!(pool.alloc(768 << 10).unwrap().address, blocks[1].address);
+    pool.check_invariants().unwrap();
+}
+
 /// Pages a busy stream freed may still be in use by its queued work: they are not given back
 /// without waiting, so the out-of-memory path (which synchronizes first) frees them instead.
 #[test]

@@ -17,7 +17,9 @@
 //! still give back any free page. Its small range holds tiny blocks (at most an eighth of a
 //! page), and one of those goes to a free piece of the large range, on pages live neighbours
 //! keep mapped, before its own range maps a page; near the device's limit it also holds the
-//! blocks of at most a page that continue a long run of same-size allocations (`size_run.rs`).
+//! blocks of at most a page that continue a long run of same-size allocations (`size_run.rs`),
+//! and the blocks of at most half a page whose best fit is a hole kept for a recent large
+//! request of exactly its size (`recent_sizes.rs`).
 //! When the device refuses a map, it gives back free pages elsewhere that no queued work uses
 //! and maps again, so the block keeps its best-fit place and no stream is waited for; only if
 //! none are free does the out-of-memory path run.

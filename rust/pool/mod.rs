@@ -10,6 +10,7 @@ mod growth;
 mod held;
 mod history;
 mod page_map;
+mod recent_sizes;
 mod release;
 mod seed;
 mod size_run;
@@ -25,12 +26,13 @@ pub use history::{History, HistoryAction, HistoryEntry};
 
 use crate::core::{
     BlockState, Handle, Heap, HeapError, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats,
-    SHARED,
+    NIL, SHARED,
 };
 use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
 use expandable::{Backing, Expandable};
 use growth::Growth;
+use recent_sizes::RecentSizes;
 use size_run::SizeRun;
 
 pub use crate::device::DEFAULT_STREAM;
@@ -65,6 +67,8 @@ pub struct Pool<D: Device> {
     /// The run of same-size allocations so far (gpupool's pager sends long runs' blocks of at
     /// most a page to its small range).
     run: SizeRun,
+    /// The last large sizes asked for (gpupool's pager keeps holes of those sizes whole).
+    recent: RecentSizes,
 }
 
 impl<D: Device> Pool<D> {
@@ -82,6 +86,12 @@ impl<D: Device> Pool<D> {
             }
             _ => SizeRun::default(),
         };
+        let recent = match config.paging {
+            Some(paging) if paging.mode == PagingMode::Pager => {
+                RecentSizes::new(config.rules.small_max, paging.page_of(PoolKind::Large))
+            }
+            _ => RecentSizes::default(),
+        };
         let mut pool = Pool {
             device,
             heap,
@@ -94,6 +104,7 @@ impl<D: Device> Pool<D> {
             unreleased: Vec::new(),
             held_for_capture: Vec::new(),
             run,
+            recent,
             captures_graphs: false,
         };
         pool.captures_graphs = pool.device.captures_graphs();
@@ -195,18 +206,34 @@ impl<D: Device> Pool<D> {
         }
         let (handle, address) = self.heap.take_block(id, size, rounded, stream);
         self.run.note(rounded);
+        self.recent.note(rounded);
         Ok(Some(self.allocation(handle, address, size, stream)))
     }
 
-    /// The kind [`SizeRun`] sends a request of `rounded` bytes to, while the pool is short of
-    /// room (see [`size_run::TIGHT_SHARE`]).
+    /// The kind a request of `rounded` bytes on `stream` goes to instead of the rules' kind:
+    /// the small range for a long run of same-size blocks while the pool is short of room (see
+    /// [`size_run::TIGHT_SHARE`]), or for a mid-size block whose best fit is a hole kept for a
+    /// recent large size (`recent_sizes.rs`).
     #[inline(always)]
-    fn redirect(&self, rounded: u64) -> Option<PoolKind> {
-        self.run.redirect(rounded).filter(|_| {
+    fn redirect(&self, rounded: u64, stream: StreamId) -> Option<PoolKind> {
+        let run = self.run.redirect(rounded).filter(|_| {
             let Some(most) = self.growth.ceiling else { return false };
             let reserved = self.heap.stats().get(Metric::ReservedBytes, StatType::All).current;
             (most.saturating_sub(reserved) as f64) < size_run::TIGHT_SHARE * most as f64
-        })
+        });
+        match run {
+            None if self.recent.is_mid(rounded) => self.hole_kept(rounded, stream),
+            run => run,
+        }
+    }
+
+    /// The small range, when the best fit for mid-size `rounded` bytes is a hole between live
+    /// blocks that a recent large request of exactly its size would reuse.
+    #[inline(never)]
+    fn hole_kept(&self, rounded: u64, stream: StreamId) -> Option<PoolKind> {
+        let id = self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED))?;
+        let b = self.heap.block_at(id);
+        (b.expandable && b.next != NIL && self.recent.keeps(b.size)).then_some(PoolKind::Small)
     }
 
     /// The cached block for `rounded` bytes on `stream`: of the stream's own, else a shared one,
@@ -214,7 +241,7 @@ impl<D: Device> Pool<D> {
     /// sends it to.
     #[inline(always)]
     fn find_cached(&self, rounded: u64, stream: StreamId) -> Option<u32> {
-        match self.redirect(rounded) {
+        match self.redirect(rounded, stream) {
             None => self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)),
             Some(kind) => self.heap.find_in(kind, rounded, stream).or_else(|| self.heap.find_in(kind, rounded, SHARED)),
         }
@@ -321,7 +348,9 @@ impl<D: Device> Pool<D> {
             return Ok(a);
         }
         let a = self.alloc_uncached(size, stream)?;
-        self.run.note(self.heap.rules().round(size));
+        let rounded = self.heap.rules().round(size);
+        self.run.note(rounded);
+        self.recent.note(rounded);
         Ok(a)
     }
 
@@ -411,7 +440,7 @@ impl<D: Device> Pool<D> {
         self.device.query_stream(stream)?;
         let rules = self.heap.rules();
         let rounded = rules.round(size);
-        let kind = self.redirect(rounded).unwrap_or(rules.kind(rounded));
+        let kind = self.redirect(rounded, stream).unwrap_or(rules.kind(rounded));
         if let Some(pages) = self.expandable.as_ref() {
             // With `max_split_size` set the cached search passed over the ranges' free space (a
             // block of it is as big as the range); map pages there before reserving a new range.
