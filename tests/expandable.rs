@@ -403,6 +403,13 @@ fn default_keeps_holes_of_a_recent_large_size() {
     // 48 MiB: no request had that size.
     assert_eq!(pool.alloc(768 << 10).unwrap().address, blocks[1].address);
     pool.check_invariants().unwrap();
+
+    // 30 MiB was asked for once: a size that did not recur keeps no hole.
+    let mut pool = Pool::new(Sim::new(1 << 30), config("default"));
+    let blocks: Vec<_> = [24, 30, 24].iter().map(|&mib| pool.alloc(mib * MIB).unwrap()).collect();
+    pool.free(blocks[1].handle).unwrap();
+    assert_eq!(pool.alloc(768 << 10).unwrap().address, blocks[1].address);
+    pool.check_invariants().unwrap();
 }
 
 /// Pages a busy stream freed may still be in use by its queued work: they are not given back

@@ -216,34 +216,64 @@ impl<D: Device> Pool<D> {
     /// recent large size (`recent_sizes.rs`).
     #[inline(always)]
     fn redirect(&self, rounded: u64, stream: StreamId) -> Option<PoolKind> {
-        let run = self.run.redirect(rounded).filter(|_| {
-            let Some(most) = self.growth.ceiling else { return false };
-            let reserved = self.heap.stats().get(Metric::ReservedBytes, StatType::All).current;
-            (most.saturating_sub(reserved) as f64) < size_run::TIGHT_SHARE * most as f64
-        });
-        match run {
-            None if self.recent.is_mid(rounded) => self.hole_kept(rounded, stream),
+        match self.run_redirect(rounded) {
+            None if self.recent.is_mid(rounded) => {
+                let id = self.best_fit(rounded, stream)?;
+                self.is_kept_hole(id).then_some(PoolKind::Small)
+            }
             run => run,
         }
     }
 
-    /// The small range, when the best fit for mid-size `rounded` bytes is a hole between live
-    /// blocks that a recent large request of exactly its size would reuse.
-    #[inline(never)]
-    fn hole_kept(&self, rounded: u64, stream: StreamId) -> Option<PoolKind> {
-        let id = self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED))?;
+    /// The kind [`SizeRun`] sends a request of `rounded` bytes to, while the pool is short of
+    /// room (see [`size_run::TIGHT_SHARE`]).
+    #[inline(always)]
+    fn run_redirect(&self, rounded: u64) -> Option<PoolKind> {
+        self.run.redirect(rounded).filter(|_| {
+            let Some(most) = self.growth.ceiling else { return false };
+            let reserved = self.heap.stats().get(Metric::ReservedBytes, StatType::All).current;
+            (most.saturating_sub(reserved) as f64) < size_run::TIGHT_SHARE * most as f64
+        })
+    }
+
+    /// The best-fitting free block for `rounded` bytes: of the stream's own, else a shared one.
+    #[inline(always)]
+    fn best_fit(&self, rounded: u64, stream: StreamId) -> Option<u32> {
+        self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED))
+    }
+
+    /// Whether free block `id` is a hole between live blocks of a large range that a recent,
+    /// recurring large request of exactly its size would reuse.
+    #[inline(always)]
+    fn is_kept_hole(&self, id: u32) -> bool {
         let b = self.heap.block_at(id);
-        (b.expandable && b.next != NIL && self.recent.keeps(b.size)).then_some(PoolKind::Small)
+        b.expandable && b.next != NIL && self.recent.keeps(b.size)
     }
 
     /// The cached block for `rounded` bytes on `stream`: of the stream's own, else a shared one,
-    /// in the pool kind the rules give the size, or the one a run of same-size allocations
-    /// sends it to.
+    /// in the pool kind the rules give the size, or the one [`Pool::redirect`] sends it to. The
+    /// best fit is searched once whether or not it turns out to be a kept hole.
     #[inline(always)]
     fn find_cached(&self, rounded: u64, stream: StreamId) -> Option<u32> {
-        match self.redirect(rounded, stream) {
-            None => self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED)),
-            Some(kind) => self.heap.find_in(kind, rounded, stream).or_else(|| self.heap.find_in(kind, rounded, SHARED)),
+        if let Some(kind) = self.run_redirect(rounded) {
+            return self.heap.find_in(kind, rounded, stream).or_else(|| self.heap.find_in(kind, rounded, SHARED));
+        }
+        let found = self.best_fit(rounded, stream);
+        if self.recent.is_mid(rounded) {
+            return self.unless_kept(found, rounded, stream);
+        }
+        found
+    }
+
+    /// `found`, unless it is a kept hole: then the small range's best fit.
+    #[inline(never)]
+    fn unless_kept(&self, found: Option<u32>, rounded: u64, stream: StreamId) -> Option<u32> {
+        match found {
+            Some(id) if self.is_kept_hole(id) => {
+                let small = PoolKind::Small;
+                self.heap.find_in(small, rounded, stream).or_else(|| self.heap.find_in(small, rounded, SHARED))
+            }
+            found => found,
         }
     }
 
