@@ -673,3 +673,38 @@ def test_an_int_is_no_path_and_its_descriptor_stays_open(call):
         "TypeError: expected str, bytes or os.PathLike object, not int",
         "stdin is open",
     ], child.stderr.decode()[-2000:]
+
+
+@pytest.mark.parametrize(
+    "snapshot, error",
+    [
+        # A segment's device as gpupool advise reads it: a bool, float or negative one is an error
+        # naming the segment, not a device whose live blocks vanish.
+        ({"segments": [{"device": True}]}, r"segment 0: 'device' must be a non-negative int"),
+        ({"segments": [{"device": 1.0}]}, r"segment 0: 'device' must be a non-negative int"),
+        ({"segments": [{"device": -1}], "device_traces": [[]]}, r"segment 0: 'device' must be"),
+        ({"segments": [{"device": 1 << 70}], "device_traces": []}, r"segment 0: 'device' must be"),
+        ({"segments": [live_block()["segments"][0], 3]}, r"segment 1: expected a dict, got 3"),
+        # device_traces[0] pickled alone is a list of dicts, but no segments.
+        ([{"action": "alloc", "addr": 16, "size": 8}], r"not a memory snapshot"),
+    ],
+)
+def test_segments_are_read_as_advise_reads_them(tmp_path, snapshot, error):
+    for segment in snapshot["segments"] if isinstance(snapshot, dict) else []:
+        if isinstance(segment, dict):
+            segment.setdefault("address", 0x1000)
+            segment.setdefault("total_size", 512)
+            segment.setdefault("blocks", [{"address": 0x1000, "size": 512, "state": "active_allocated"}])
+    path = dump(tmp_path, snapshot)
+    with pytest.raises(ValueError, match=error):
+        gtrace.load(path)
+    with pytest.raises(ValueError, match=error):
+        gtrace.load_each(path)
+    with pytest.raises(ValueError):
+        gpupool.advise(path)
+
+
+def test_advise_reads_the_segments_list_as_trace_does():
+    segments = live_block()["segments"]
+    assert len(gtrace.from_snapshot(segments)) == 1
+    assert gpupool.advise(segments).device == 0

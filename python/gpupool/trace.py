@@ -9,7 +9,7 @@ import operator
 import os
 import reprlib
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
 from gpupool import _native
@@ -172,26 +172,35 @@ def load_each(path: PathLike) -> list[Trace]:
     if not _is_pickle(path):
         return [Trace(_native.Trace.read_csv(path))]
     snapshot = _with_traces(_read_pickle(path))
-    devices = _devices(snapshot)[1] if isinstance(snapshot, Mapping) else []
+    devices = _devices(snapshot, path)[1] if isinstance(snapshot, Mapping) else []
     return [from_snapshot(snapshot, device=d, name=path) for d in devices or [None]]
 
 
-def _devices(snapshot: Mapping[str, Any]) -> tuple[str, list[int]]:
+def _devices(snapshot: Mapping[str, Any], name: str = "snapshot") -> tuple[str, list[int]]:
     """The devices a snapshot has data for and what that is: those with trace entries and those
     whose segments hold live blocks (a GPU the job allocated on only before recording began),
     or where recording was off (no device has entries), those holding segments."""
     traces = snapshot.get("device_traces")
     recorded = {i for i, t in enumerate(traces) if t} if isinstance(traces, list) else set()
-    segments = snapshot.get("segments")
-    segments = [s for s in segments if isinstance(s, Mapping)] if isinstance(segments, list) else []
-
-    def device_ids(found: Iterable[Any]) -> set[int]:
-        return {d for d in found if isinstance(d, int) and not isinstance(d, bool)}
-
+    segments = _device_segments(snapshot, name)
     if not recorded:
-        return "segments", sorted(device_ids(s.get("device", 0) for s in segments))
-    live = device_ids(s.get("device", 0) for s in segments if _holds_live_block(s)) - recorded
+        return "segments", sorted({d for d, _ in segments})
+    live = {d for d, s in segments if _holds_live_block(s)} - recorded
     return ("traces or live blocks" if live else "traces"), sorted(recorded | live)
+
+
+def _device_segments(snapshot: Mapping[str, Any], name: str) -> list[tuple[int, Mapping[str, Any]]]:
+    """``(device, segment)`` of every segment, read as ``gpupool advise`` reads them: a segment
+    that is not a dict, or whose ``device`` is not a non-negative int, is a ValueError naming it
+    (skipped, its live blocks would vanish from the replay)."""
+    segments = snapshot.get("segments")
+    found = []
+    for index, segment in enumerate(segments if isinstance(segments, list) else []):
+        where = f"{name}, segment {index}"
+        if not isinstance(segment, Mapping):
+            raise ValueError(f"{where}: expected a dict, got {reprlib.repr(segment)}")
+        found.append((_u64(segment.get("device", 0), "device", where), segment))
+    return found
 
 
 def _holds_live_block(segment: Mapping[str, Any]) -> bool:
@@ -305,7 +314,8 @@ def _with_traces(snapshot: Any) -> Any:
     """``snapshot`` with an empty ``device_traces`` where it has segments only: the list that
     ``torch.cuda.memory_snapshot()`` returns, or a dict of just ``segments``. Anything else is
     returned as it is."""
-    if isinstance(snapshot, list) and all(isinstance(s, Mapping) for s in snapshot):
+    # Segments have blocks: a list of trace entries (``device_traces[0]`` alone) is no snapshot.
+    if isinstance(snapshot, list) and all(isinstance(s, Mapping) and "blocks" in s for s in snapshot):
         return {"segments": snapshot, "device_traces": []}
     if isinstance(snapshot, Mapping) and "device_traces" not in snapshot and isinstance(snapshot.get("segments"), list):
         return {**snapshot, "device_traces": []}
@@ -322,16 +332,11 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise ValueError(f"{name}: not a memory snapshot (no 'device_traces' list of lists, nor a 'segments' list)")
     if device is None:
-        what, devices = _devices(snapshot)
+        what, devices = _devices(snapshot, name)
         if len(devices) > 1:
             raise ValueError(f"{name}: devices {devices} have {what}; pick one with device=N")
         device = devices[0] if devices else 0
-    all_segments = snapshot.get("segments")
-    segments = [
-        (index, s)
-        for index, s in enumerate(all_segments if isinstance(all_segments, list) else [])
-        if isinstance(s, Mapping) and s.get("device", 0) == device
-    ]
+    segments = [(index, s) for index, (d, s) in enumerate(_device_segments(snapshot, name)) if d == device]
     # A device past the traces' list is one whose segments are all there is of it.
     if device < 0 or (device >= max(len(traces), 1) and not segments):
         raise ValueError(f"{name}: no device {device} (the snapshot has {len(traces)})")

@@ -9,6 +9,8 @@ mod expandable;
 mod growth;
 mod held;
 mod history;
+#[cfg(test)]
+mod kept_review;
 mod page_map;
 mod recent_sizes;
 mod release;

@@ -211,7 +211,8 @@ def load(source: Any) -> Snapshot:
     """A snapshot from a path (pickle or RMM CSV), a snapshot dict, or a loaded ``gpupool.Trace``."""
     if isinstance(source, gtrace.Trace):
         return _traced(source)
-    if isinstance(source, dict):
+    # A list is torch.cuda.memory_snapshot()'s segments, as trace.from_snapshot reads it.
+    if isinstance(source, (dict, list)):
         return snapshot.from_dict(source, "snapshot")
     path = os.fspath(source)
     return snapshot.read(path) if gtrace._is_pickle(path) else _traced(gtrace.load(path))

@@ -1,0 +1,133 @@
+//! Review: kept holes under streams, cross-stream modes, max_split_size and pressure.
+
+use super::{BlockState, Config, Handle, Pool, PoolError, PoolKind, StreamId, DEFAULT_STREAM};
+use crate::device::Sim;
+use proptest::prelude::*;
+
+const MIB: u64 = 1 << 20;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc(u64, usize),
+    Free(usize),
+    Record(usize, usize),
+    Sync,
+    EmptyCache,
+}
+
+fn ops() -> impl Strategy<Value = Vec<Op>> {
+    let size = prop::sample::select(vec![
+        300u64 << 10,
+        512 << 10,
+        768 << 10,
+        MIB,
+        3 * MIB,
+        16 * MIB,
+        24 * MIB,
+        24 * MIB,
+        32 * MIB,
+        (24 * MIB) - 4096,
+    ]);
+    let op = prop_oneof![
+        6 => (size, 0usize..3).prop_map(|(s, k)| Op::Alloc(s, k)),
+        5 => any::<usize>().prop_map(Op::Free),
+        1 => (any::<usize>(), 0usize..3).prop_map(|(i, k)| Op::Record(i, k)),
+        1 => Just(Op::Sync),
+        1 => Just(Op::EmptyCache),
+    ];
+    prop::collection::vec(op, 1..300)
+}
+
+/// For every mid size and stream: the block the cached search returns lies in the kind that the
+/// growth path's `redirect` names, and a kept best fit is never returned.
+fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String> {
+    for &rounded in &[300u64 << 10, 512 << 10, 768 << 10, MIB] {
+        for &s in streams {
+            let kind = pool.redirect(rounded, s).unwrap_or(pool.heap.rules().kind(rounded));
+            if let Some(id) = pool.find_cached(rounded, s) {
+                let b = pool.heap.block_at(id);
+                if b.kind != kind {
+                    return Err(format!("find_cached gives {:?} for {rounded} on {s}, redirect {kind:?}", b.kind));
+                }
+                if pool.is_kept_hole(id) {
+                    return Err(format!("find_cached gives a kept hole for {rounded} on {s}"));
+                }
+            }
+        }
+    }
+    // Nothing allocated in the small range exceeds its page.
+    let page = pool.config.paging.unwrap().page_of(PoolKind::Small);
+    for seg in pool.heap.segments() {
+        for b in &seg.blocks {
+            if seg.kind == PoolKind::Small && b.state == BlockState::Allocated && b.size > page {
+                return Err(format!("small-range block of {} bytes", b.size));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn run(config: &str, capacity: u64, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut pool = Pool::new(Sim::new(capacity), Config::parse(config).unwrap());
+    let streams = [DEFAULT_STREAM, pool.create_stream().unwrap(), pool.create_stream().unwrap()];
+    let mut live: Vec<Handle> = Vec::new();
+    for op in ops {
+        match *op {
+            Op::Alloc(size, k) => match pool.alloc_on(size, streams[k]) {
+                Ok(a) => live.push(a.handle),
+                Err(PoolError::OutOfMemory(_)) => {}
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            },
+            Op::Free(i) if !live.is_empty() => {
+                let h = live.swap_remove(i % live.len());
+                pool.free(h).unwrap();
+            }
+            Op::Record(i, k) if !live.is_empty() => {
+                let h = live[i % live.len()];
+                pool.record_stream(h, streams[k]).unwrap();
+            }
+            Op::Sync => pool.synchronize().unwrap(),
+            Op::EmptyCache => {
+                pool.empty_cache().unwrap();
+            }
+            _ => {}
+        }
+        pool.check_invariants().map_err(TestCaseError::fail)?;
+        check_consistent(&pool, &streams).map_err(TestCaseError::fail)?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn kept_holes_keep_invariants(ops in ops(), mode in 0usize..3, split in 0usize..2, cap in 0usize..2) {
+        let mode = ["never", "completed", "wait"][mode];
+        let split = ["", ",max_split_size_mb:64"][split];
+        let capacity = [1u64 << 34, 200 * MIB][cap];
+        run(&format!("strategy:default,cross_stream_reuse:{mode}{split}"), capacity, &ops)?;
+    }
+}
+
+/// The test in tests/expandable.rs, on a side stream: the stream's own kept hole is kept too.
+#[test]
+fn a_side_streams_kept_hole() {
+    let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:default").unwrap());
+    let s = pool.create_stream().unwrap();
+    let blocks: Vec<_> = (0..3).map(|_| pool.alloc_on(24 * MIB, s).unwrap()).collect();
+    pool.free(blocks[1].handle).unwrap();
+    let mid = pool.alloc_on(768 << 10, s).unwrap();
+    assert!(!(blocks[1].address..blocks[2].address).contains(&mid.address));
+    assert_eq!(pool.alloc_on(24 * MIB, s).unwrap().address, blocks[1].address);
+    pool.check_invariants().unwrap();
+}
+
+/// Non-pager strategies: RecentSizes is inert.
+#[test]
+fn other_strategies_keep_nothing() {
+    for strategy in ["pages", "expandable", "pytorch", "bfc"] {
+        let pool = Pool::new(Sim::new(1 << 30), Config::parse(&format!("strategy:{strategy}")).unwrap());
+        assert!(!pool.recent.is_mid(768 << 10) && !pool.recent.is_mid(1), "{strategy}");
+    }
+}
