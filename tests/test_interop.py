@@ -265,6 +265,9 @@ def test_integrations_import_their_framework_lazily(module, monkeypatch):
     # A None entry in sys.modules makes the framework's import fail, as if it were not installed.
     monkeypatch.setitem(sys.modules, module, None)
     integration = importlib.import_module(f"gpupool.{module}")
+    # A class built earlier in this process (where the framework is installed) is kept.
+    for name in ("GpupoolMemoryManager", "_numba_memory_manager"):
+        monkeypatch.delitem(vars(integration), name, raising=False)
     if module == "numba":
         # A module attribute that cannot exist is an AttributeError (hasattr() stays usable),
         # caused by the failed import.
@@ -283,6 +286,8 @@ def test_integrations_import_their_framework_lazily(module, monkeypatch):
 def test_the_cupy_error_class_is_absent_without_cupy(monkeypatch):
     import gpupool.cupy
 
+    # A class built earlier in this process (where CuPy is installed) is cached: forget it.
+    gpupool.cupy._out_of_memory_class.cache_clear()
     monkeypatch.setitem(sys.modules, "cupy", None)  # an import of cupy now fails
     monkeypatch.setitem(sys.modules, "cupy.cuda", None)
     monkeypatch.setitem(sys.modules, "cupy.cuda.memory", None)

@@ -407,12 +407,17 @@ def test_a_device_with_only_live_blocks_beside_a_recorded_one_is_read_too(tmp_pa
         gtrace.load(path, device=3)
 
 
-@pytest.mark.parametrize("form", ["torch.cuda.memory_snapshot()", "a dict of segments"])
+@pytest.mark.parametrize("form", ["torch.cuda.memory_snapshot()", "a dict of segments", "device_traces None"])
 def test_segments_alone_are_read_as_the_blocks_live_in_them(tmp_path, form):
     # torch.cuda.memory_snapshot() is the segments list of _snapshot(), without device_traces.
     segments = live_block()["segments"]
     segments[0]["blocks"].append({"address": 0x1200, "size": 256, "state": "inactive"})
-    path = dump(tmp_path, segments if form.startswith("torch") else {"segments": segments})
+    shapes = {
+        "torch.cuda.memory_snapshot()": segments,
+        "a dict of segments": {"segments": segments},
+        "device_traces None": {"segments": segments, "device_traces": None},
+    }
+    path = dump(tmp_path, shapes[form])
     assert [(e.action, e.address, e.size) for e in gtrace.load(path)] == [("alloc", 0x1000, 512)]
     assert [len(t) for t in gtrace.load_each(path)] == [1]
     (record,) = advise_snapshot.read(path).devices

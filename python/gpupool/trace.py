@@ -317,7 +317,8 @@ def _with_traces(snapshot: Any) -> Any:
     # Segments have blocks: a list of trace entries (``device_traces[0]`` alone) is no snapshot.
     if isinstance(snapshot, list) and all(isinstance(s, Mapping) and "blocks" in s for s in snapshot):
         return {"segments": snapshot, "device_traces": []}
-    if isinstance(snapshot, Mapping) and "device_traces" not in snapshot and isinstance(snapshot.get("segments"), list):
+    segments_only = isinstance(snapshot, Mapping) and snapshot.get("device_traces") is None
+    if segments_only and isinstance(snapshot.get("segments"), list):
         return {**snapshot, "device_traces": []}
     return snapshot
 

@@ -10,7 +10,7 @@ mod growth;
 mod held;
 mod history;
 #[cfg(test)]
-mod kept_review;
+mod kept_holes_tests;
 mod page_map;
 mod recent_sizes;
 mod release;
@@ -244,8 +244,8 @@ impl<D: Device> Pool<D> {
         self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED))
     }
 
-    /// Whether free block `id` is a hole between live blocks of a large range that a recent,
-    /// recurring large request of exactly its size would reuse.
+    /// Whether free block `id` is a hole of a large range with a block after it (not the
+    /// range's free end) that a recent, recurring large request of exactly its size would reuse.
     #[inline(always)]
     fn is_kept_hole(&self, id: u32) -> bool {
         let b = self.heap.block_at(id);

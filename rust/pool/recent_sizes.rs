@@ -6,12 +6,12 @@
 //! ones, at most half a page) to that hole's front when no smaller piece holds it. The hole then
 //! no longer holds the large request, which goes to the top, and the rest of the hole stays a
 //! hole whose edge pages cost memory under pressure. So a mid-size block whose best fit is a hole
-//! between live blocks, of at least [`KEEP_PAGES`] pages and exactly the size of one of the last
-//! [`RECENT`] distinct large requests, one asked for [`MIN_SEEN`] times or more (a size that
-//! recurs, not one that came up once), goes to the small range instead, where it packs with
-//! others (BENCHMARKS.md, "Holes kept for a recent size"). Smaller holes are left to best fit:
-//! there mid-size blocks fill the partly used pages between large blocks, which is what saves
-//! memory on the training traces.
+//! with a block after it (not the free end of the range), of at least [`KEEP_PAGES`] pages and
+//! exactly one of the [`RECENT`] large sizes most recently asked for, one asked for
+//! [`MIN_SEEN`] times or more (a size that recurs, not one that came up once), goes to the
+//! small range instead, where it packs with others (BENCHMARKS.md, "Holes kept for a recent
+//! size"). Smaller holes are left to best fit: there mid-size blocks fill the partly used pages
+//! between large blocks, which is what saves memory on the training traces.
 
 /// Holes are kept for a recent size from this many pages up. At 2 to 6 pages resnet50_train
 /// needs 1,678 to 1,680 MiB instead of 1,672; from 8 to 12 only MAGMA27 moves, by 6 MiB, down
@@ -23,17 +23,20 @@ pub const KEEP_PAGES: u64 = 8;
 /// 6,310; from two (and at three) it needs 6,310 MiB again, and MAGMA27 keeps its 13,280 MiB.
 pub const MIN_SEEN: u32 = 2;
 
-/// How many distinct large sizes are remembered (4 or 64 give the same verdicts).
+/// How many large sizes are remembered.
 pub const RECENT: usize = 16;
 
-/// The last [`RECENT`] distinct sizes of requests of at least [`KEEP_PAGES`] pages, each with
-/// how many requests it had since it was last taken in.
+/// The [`RECENT`] sizes of at least [`KEEP_PAGES`] pages most recently asked for, each with how
+/// many requests it had since it was taken in; a new size replaces the one asked for least
+/// recently, so a size that every step asks for stays however many others come and go.
 #[derive(Debug)]
 pub struct RecentSizes {
     sizes: [u64; RECENT],
     /// How many requests of each remembered size there were.
     seen: [u32; RECENT],
-    next: usize,
+    /// When each was last asked for, in remembered requests.
+    last: [u64; RECENT],
+    clock: u64,
     /// Requests from this size up are remembered; `u64::MAX` unless the pool is gpupool's pager.
     smallest: u64,
     /// Requests in `(mid_above, mid_most]` are the mid-size ones a kept hole turns away.
@@ -43,7 +46,15 @@ pub struct RecentSizes {
 
 impl Default for RecentSizes {
     fn default() -> Self {
-        RecentSizes { sizes: [0; RECENT], seen: [0; RECENT], next: 0, smallest: u64::MAX, mid_above: 0, mid_most: 0 }
+        RecentSizes {
+            sizes: [0; RECENT],
+            seen: [0; RECENT],
+            last: [0; RECENT],
+            clock: 0,
+            smallest: u64::MAX,
+            mid_above: 0,
+            mid_most: 0,
+        }
     }
 }
 
@@ -64,13 +75,19 @@ impl RecentSizes {
 
     #[cold]
     fn remember(&mut self, rounded: u64) {
-        if let Some(slot) = self.sizes.iter().position(|&s| s == rounded) {
-            self.seen[slot] = self.seen[slot].saturating_add(1);
-        } else {
-            self.sizes[self.next] = rounded;
-            self.seen[self.next] = 1;
-            self.next = (self.next + 1) % RECENT;
-        }
+        self.clock += 1;
+        let slot = match self.sizes.iter().position(|&s| s == rounded) {
+            Some(slot) => {
+                self.seen[slot] = self.seen[slot].saturating_add(1);
+                slot
+            }
+            None => {
+                let oldest = (0..RECENT).min_by_key(|&i| self.last[i]).unwrap_or(0);
+                (self.sizes[oldest], self.seen[oldest]) = (rounded, 1);
+                oldest
+            }
+        };
+        self.last[slot] = self.clock;
     }
 
     /// Whether a request of `rounded` bytes is mid-size: one a kept hole turns away.
@@ -106,16 +123,19 @@ mod tests {
         assert!(!recent.keeps(24 * MIB));
         recent.note(24 * MIB);
         assert!(recent.keeps(24 * MIB) && !recent.keeps(26 * MIB));
-        // The oldest size is forgotten after RECENT others; a repeat takes no slot.
-        for i in 0..RECENT as u64 - 1 {
+        // A size asked for between the others stays however many come and go; a repeat takes
+        // no slot, and the size asked for least recently is the one a new size replaces.
+        for i in 0..4 * RECENT as u64 {
             recent.note((32 + i) * MIB);
             recent.note((32 + i) * MIB);
             recent.note(24 * MIB);
         }
-        assert!(recent.keeps(24 * MIB) && recent.keeps(32 * MIB));
-        recent.note(100 * MIB);
-        recent.note(100 * MIB);
-        assert!(!recent.keeps(24 * MIB) && recent.keeps(100 * MIB));
+        assert!(recent.keeps(24 * MIB) && recent.keeps((32 + 4 * RECENT as u64 - 1) * MIB));
+        assert!(!recent.keeps((32 + 4 * RECENT as u64 - RECENT as u64) * MIB), "replaced");
+        for i in 0..RECENT as u64 {
+            recent.note((200 + i) * MIB);
+        }
+        assert!(!recent.keeps(24 * MIB));
         // A size taken in again starts its count anew.
         recent.note(24 * MIB);
         assert!(!recent.keeps(24 * MIB));

@@ -1,4 +1,5 @@
-//! Review: kept holes under streams, cross-stream modes, max_split_size and pressure.
+//! Kept holes (`recent_sizes.rs`) under streams, cross-stream modes, `max_split_size` and
+//! pressure: the cached search and the growth path agree, and every invariant holds.
 
 use super::{BlockState, Config, Handle, Pool, PoolError, PoolKind, StreamId, DEFAULT_STREAM};
 use crate::device::Sim;
