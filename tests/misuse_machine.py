@@ -130,6 +130,8 @@ class MisuseMachine(RuleBasedStateMachine):
         self.streams: dict[int, gpupool.Stream] = {0: self.pool.default_stream}
         self.held: set[int] = set()
         self.dead_streams: list[gpupool.Stream] = []
+        # Streams the program dropped while a pointer still held them (see destroy_stream).
+        self.kept_by_pointers: list[gpupool.Stream] = []
         self.freed_ptrs: list[gpupool.DevicePtr] = []
         self.ledger = Ledger()
         self.tags = itertools.count(1)
@@ -442,6 +444,13 @@ class MisuseMachine(RuleBasedStateMachine):
         stream = self.streams.pop(sid)
         log(f"destroy_stream({sid}, drop={drop})")
         if drop:
+            if any(entry.stream == sid or sid in entry.uses for entry in self.entries):
+                # A pointer keeps the streams it was made or recorded on alive, so dropping the
+                # program's reference destroys nothing: the stream keeps its queued work until a
+                # synchronize. (The model keeps the object too, so that it is destroyed no
+                # earlier than the teardown, whichever pointer goes last.)
+                self.kept_by_pointers.append(stream)
+                return
             del stream
             gc.collect()
         else:
