@@ -460,3 +460,18 @@ def test_the_answer_says_how_much_a_device_is_short_or_spare(tmp_path, capsys):
         assert cli.main(["advise", str(path), "--capacity", str(capacity)]) == 0
         answer = capsys.readouterr().out.split("Answer")[1].split("gpupool:")[1]
         assert said.format(f"{capacity / MiB:.2f} MiB") in answer, answer
+
+
+def test_a_small_shortfall_on_a_job_of_gibibytes_is_said_in_mebibytes(tmp_path, capsys):
+    # The report's unit is GiB here; 3 MiB in it would print as "0.00 GiB short".
+    entries = [entry("alloc", BASE, 1536 * MiB, 1), entry("free_requested", BASE, 1536 * MiB, 2)]
+    path = write(tmp_path, {"device_traces": [entries], "segments": []})
+    needs = gpupool.advise(path).recommended["gpupool"].min_capacity_bytes
+    for capacity, said in (
+        (needs - 3 * MiB, "does not fit on {} (3.00 MiB short)"),
+        (needs + 5 * MiB, "fits on {} (5.00 MiB headroom)"),
+        (needs + 2048 * MiB, "fits on {} (2.00 GiB headroom)"),
+    ):
+        assert cli.main(["advise", str(path), "--capacity", str(capacity)]) == 0
+        answer = capsys.readouterr().out.split("Answer")[1].split("gpupool:")[1]
+        assert said.format(f"{capacity / (1 << 30):.2f} GiB") in answer, answer

@@ -20,6 +20,13 @@ class _Units:
             return "-"
         return f"{value / self.scale:{'+' if sign else ''},.2f} {self.name}"
 
+    def difference(self, value: int) -> str:
+        """``value`` (not negative) in the report's unit, or in MiB where the unit would print a
+        difference that is not zero as 0.00."""
+        if 0 < value < self.scale // 200:
+            return f"{value / (1 << 20):,.2f} MiB"
+        return self(value)
+
 
 def _tail(text: str, width: int) -> str:
     """``text``, its start cut off to fit ``width`` (the end of a path says the most)."""
@@ -97,16 +104,16 @@ def _answer(r: Recommendation, advice: Advice, size: _Units) -> list[str]:
     elif r.saved_bytes <= 0 and r.family == "pytorch":
         saving = "no stock setting needs less than what you ran"
     elif r.saved_bytes < 0:
-        saving = f"needs {size(-r.saved_bytes)} ({-r.saved_fraction:.1%}) more than what you ran"
+        saving = f"needs {size.difference(-r.saved_bytes)} ({-r.saved_fraction:.1%}) more than what you ran"
     else:
-        saving = f"saves {size(r.saved_bytes)} ({r.saved_fraction:.1%}) against what you ran"
+        saving = f"saves {size.difference(r.saved_bytes)} ({r.saved_fraction:.1%}) against what you ran"
     lines = [f"  {who + ':':<9}{env}", f"{'':11}needs {size(r.min_capacity_bytes)}; {saving}"]
     if advice.capacity_bytes is not None:
         room = advice.capacity_bytes - r.min_capacity_bytes
         if room >= 0:
-            lines.append(f"{'':11}fits on {size(advice.capacity_bytes)} ({size(room)} headroom)")
+            lines.append(f"{'':11}fits on {size(advice.capacity_bytes)} ({size.difference(room)} headroom)")
         else:
-            lines.append(f"{'':11}does not fit on {size(advice.capacity_bytes)} ({size(-room)} short)")
+            lines.append(f"{'':11}does not fit on {size(advice.capacity_bytes)} ({size.difference(-room)} short)")
     return lines
 
 
