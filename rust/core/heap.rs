@@ -388,9 +388,14 @@ impl Heap {
     /// A cached block owned by a stream other than `stream` (nor shared) that fits, with its
     /// owner: the candidates for reuse after making `stream` wait on the owner.
     pub fn find_foreign(&self, rounded: u64, stream: u32) -> Option<(u32, u32)> {
+        self.find_foreign_in(self.rules.kind(rounded), rounded, stream)
+    }
+
+    /// [`Heap::find_foreign`] among the free blocks of pool `kind` (see [`Heap::find_in`]).
+    pub fn find_foreign_in(&self, kind: PoolKind, rounded: u64, stream: u32) -> Option<(u32, u32)> {
         (0..self.private.len() as u32)
             .filter(|&owner| owner != stream)
-            .filter_map(|owner| self.find(rounded, owner).map(|id| (id, owner)))
+            .filter_map(|owner| self.find_in(kind, rounded, owner).map(|id| (id, owner)))
             .min_by_key(|&(id, _)| (self.blocks[id as usize].size, id))
     }
 

@@ -40,7 +40,8 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
 }
 
 /// For every mid size and stream: the block the cached search returns lies in the kind that the
-/// growth path's `redirect` names, and a kept best fit is never returned.
+/// growth path's `redirect` names, and a kept best fit is never returned, nor waited for on
+/// another stream.
 fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String> {
     for &rounded in &[300u64 << 10, 512 << 10, 768 << 10, MIB] {
         for &s in streams {
@@ -53,6 +54,9 @@ fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String
                 if pool.is_kept_hole(id) {
                     return Err(format!("find_cached gives a kept hole for {rounded} on {s}"));
                 }
+            }
+            if pool.find_foreign(rounded, s).is_some_and(|(id, _)| pool.is_kept_hole(id)) {
+                return Err(format!("find_foreign gives a kept hole for {rounded} on {s}"));
             }
         }
     }
@@ -131,4 +135,19 @@ fn other_strategies_keep_nothing() {
         let pool = Pool::new(Sim::new(1 << 30), Config::parse(&format!("strategy:{strategy}")).unwrap());
         assert!(!pool.recent.is_mid(768 << 10) && !pool.recent.is_mid(1), "{strategy}");
     }
+}
+
+/// Under `cross_stream_reuse:wait`, a mid-size request does not wait for another stream to take
+/// its kept hole either: it goes to the small range, as it would once that hole is shared.
+#[test]
+fn another_streams_kept_hole_is_not_waited_for() {
+    let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:default,cross_stream_reuse:wait").unwrap());
+    let (a, b) = (pool.create_stream().unwrap(), pool.create_stream().unwrap());
+    let blocks: Vec<_> = (0..4).map(|_| pool.alloc_on(24 * MIB, a).unwrap()).collect();
+    pool.free(blocks[1].handle).unwrap();
+    pool.free(blocks[3].handle).unwrap();
+    pool.hold_stream(a).unwrap();
+    let mid = pool.alloc_on(768 << 10, b).unwrap();
+    assert!(!(blocks[1].address..blocks[2].address).contains(&mid.address), "the kept hole was taken");
+    pool.check_invariants().unwrap();
 }

@@ -279,6 +279,18 @@ impl<D: Device> Pool<D> {
         }
     }
 
+    /// A cached block of another stream for `rounded` bytes, with its owner; like
+    /// [`Pool::find_cached`], a mid-size request whose best fit there is a kept hole looks in the
+    /// small range instead.
+    fn find_foreign(&self, rounded: u64, stream: StreamId) -> Option<(u32, StreamId)> {
+        match self.heap.find_foreign(rounded, stream) {
+            Some((id, _)) if self.recent.is_mid(rounded) && self.is_kept_hole(id) => {
+                self.heap.find_foreign_in(PoolKind::Small, rounded, stream)
+            }
+            found => found,
+        }
+    }
+
     /// `size` was validated by the caller.
     fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         if self.settle_captured_frees()? {
@@ -304,7 +316,6 @@ impl<D: Device> Pool<D> {
         if self.config.cross_stream_reuse == CrossStreamReuse::Wait {
             // An event recorded on a capturing stream would pull `stream` into the capture.
             if let Some((id, owner)) = self
-                .heap
                 .find_foreign(rounded, stream)
                 .filter(|&(_, owner)| !self.captures_graphs || !self.device.is_capturing(owner).unwrap_or(true))
             {
