@@ -28,7 +28,8 @@ def test_the_named_constant_gets_the_value_and_its_neighbours_keep_theirs(tmp_pa
     variant.edit(root, "KEEP_PAGES", "4")
     variant.edit(root, "MIN_SEEN", "1")
     assert (root / "rust/pool/a.rs").read_text() == "const ROOMY_SHARE: f64 = 0.75;\nconst ROOMY_SHARE_2: f64 = 0.9;\n"
-    assert (root / "rust/pool/b.rs").read_text() == "/// x\npub const KEEP_PAGES: u64 = 4;\n    pub(super) const MIN_SEEN: u32 = 1;\n"
+    expected = "/// x\npub const KEEP_PAGES: u64 = 4;\n    pub(super) const MIN_SEEN: u32 = 1;\n"
+    assert (root / "rust/pool/b.rs").read_text() == expected
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import gzip
 import operator
 import os
 import reprlib
+import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Union
@@ -26,6 +27,22 @@ _CHUNK = 65536
 # PyTorch writes "active_pending_free"; the Snapshot type its `_snapshot` docstring gives
 # names the same state "active_awaiting_free", and hand-made snapshots follow the docs.
 LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awaiting_free"))
+# Actions PyTorch records in ``device_traces``. Anything else (a newer PyTorch's, a vendor's
+# such as torch_npu's) is skipped with a warning by `load` and counted in a note by `advise`, so
+# that an unknown kind of entry does not stop the replay.
+KNOWN_ACTIONS = frozenset(
+    (
+        "alloc",
+        "free_requested",
+        "free_completed",
+        "segment_alloc",
+        "segment_free",
+        "segment_map",
+        "segment_unmap",
+        "snapshot",
+        "oom",
+    )
+)
 
 
 class Event(NamedTuple):
@@ -343,7 +360,17 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
         raise ValueError(f"{name}: no device {device} (the snapshot has {len(traces)})")
     entries = traces[device] if device < len(traces) else []
     where = f"{name}, device_traces[{device}]"
-    rows = [_entry_row(entry, f"{where}, entry {index}") for index, entry in enumerate(entries)]
+    rows, skipped = [], {}
+    for index, entry in enumerate(entries):
+        action = entry.get("action") if isinstance(entry, Mapping) else None
+        if isinstance(action, str) and action not in KNOWN_ACTIONS:
+            # A no-op in its place, so that errors still give entries' own indices.
+            skipped[action] = skipped.get(action, 0) + 1
+            rows.append(("snapshot", 0, 0, 0, rows[-1][4] if rows else 0.0))
+        else:
+            rows.append(_entry_row(entry, f"{where}, entry {index}"))
+    for action, count in sorted(skipped.items()):
+        warnings.warn(f"{where}: skipped {count} '{action}' entries this version does not know", stacklevel=3)
     native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name))
     return Trace(native)
 

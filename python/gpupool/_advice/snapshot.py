@@ -10,25 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool import trace as _trace
-from gpupool.trace import LIVE_STATES, U64
+from gpupool.trace import KNOWN_ACTIONS, LIVE_STATES, U64
 
 Row = tuple[str, int, int, int, float]
 
-# Actions PyTorch records in ``device_traces``; anything else (a newer PyTorch's) is skipped
-# and counted, so that an unknown kind of entry does not stop the advice.
-KNOWN_ACTIONS = frozenset(
-    (
-        "alloc",
-        "free_requested",
-        "free_completed",
-        "segment_alloc",
-        "segment_free",
-        "segment_map",
-        "segment_unmap",
-        "snapshot",
-        "oom",
-    )
-)
 SEGMENT_ACTIONS = frozenset(("segment_alloc", "segment_free", "segment_map", "segment_unmap"))
 SMALL_SEGMENT = 2 << 20
 
