@@ -226,13 +226,42 @@ def pytorch_2_0_segment() -> dict:
 
 
 def test_a_pytorch_2_0_snapshot_gives_what_its_blocks_requested(tmp_path):
-    trace = gtrace.load(dump(tmp_path, {"segments": [pytorch_2_0_segment()], "device_traces": [[]]}))
+    # 2.0 keeps one trace entry by default: here the snapshot's own, so no allocation is recorded.
+    snapshot = {"segments": [pytorch_2_0_segment()], "device_traces": [[{"action": "snapshot", "addr": 0, "size": 0}]]}
+    with pytest.warns(UserWarning, match="records no allocations, .* 'history' in 3 of its blocks"):
+        trace = gtrace.load(dump(tmp_path, snapshot))
     events = [(e.action, e.address, e.size) for e in trace]
     assert events == [
         ("alloc", 0x100000, 2 * MiB + 1000),
         ("alloc", 0x300400, 18 * MiB + 100),
         ("alloc", 0x1600400, 1 * MiB - 1024),  # no request recorded for it: the rounded size
     ]
+
+
+def pytorch_1_13_snapshot(state: str | None = None) -> list:
+    """``torch.cuda.memory._snapshot()`` as PyTorch 1.13 returns it, for users to pickle: the list
+    of segments alone, with no trace entries; its blocks are shaped as 2.0's. ``state`` sets
+    every block's."""
+    segment = dict(pytorch_2_0_segment(), allocated_size=3 * MiB, active_size=22 * MiB)
+    for block in segment["blocks"]:
+        block["state"] = state or block["state"]
+    return [segment]
+
+
+def test_a_pytorch_1_13_snapshot_gives_its_live_blocks_and_says_their_history_is_not_replayed(tmp_path):
+    # A 1.13 block's history names what was last allocated in it, not when: no replay in it.
+    path = dump(tmp_path, pytorch_1_13_snapshot())
+    said = r"device 0 records no allocations, only the 3 blocks live before recording or at the snapshot; the"
+    with pytest.warns(UserWarning, match=said):
+        trace = gtrace.load(path)
+    assert [(e.action, e.address, e.size) for e in trace] == [
+        ("alloc", 0x100000, 2 * MiB + 1000),
+        ("alloc", 0x300400, 18 * MiB + 100),
+        ("alloc", 0x1600400, 1 * MiB - 1024),
+    ]
+    # Nothing live: an empty trace, and the warning says why.
+    with pytest.warns(UserWarning, match=r"only the 0 blocks live .* the 'history' in 3 of its blocks"):
+        assert len(gtrace.load(dump(tmp_path, pytorch_1_13_snapshot("inactive")))) == 0
 
 
 @pytest.mark.parametrize("state", ["active_allocated", "active_pending_free", "active_awaiting_free"])

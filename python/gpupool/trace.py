@@ -268,6 +268,16 @@ def _newest_allocation(block: Mapping[str, Any], address: Any) -> Mapping[str, A
     return newest if isinstance(newest, Mapping) and newest.get("addr") == address else {}
 
 
+def _carries_history(block: Mapping[str, Any]) -> bool:
+    """Whether a block lists the allocations last made in it, as PyTorch 1.13 and 2.0 do while
+    stacks are recorded (1.13 records nothing else, 2.0 keeps one trace entry by default):
+    addresses, requested sizes and stack frames, newest first, with no time, stream or free, and
+    those a later allocation overlapped dropped. That says what a block held, not when, so no
+    replay can be built from it."""
+    history = block.get("history")
+    return isinstance(history, list) and bool(history)
+
+
 def _requested(block: Mapping[str, Any], address: Any) -> tuple[str, Any]:
     """A live block's requested bytes and the key they are read from: ``requested_size``, else
     the ``real_size`` of its allocation in the history (PyTorch 2.0.0), else the rounded
@@ -372,6 +382,16 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
     for action, count in sorted(skipped.items()):
         warnings.warn(f"{where}: skipped {count} '{action}' entries this version does not know", stacklevel=3)
     native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name))
+    # Only where no allocation was recorded: otherwise the entries tell what the histories do.
+    recorded = any(row[0] == "alloc" for row in rows)
+    histories = 0 if recorded else sum(_carries_history(b) for _, s in segments for b in s.get("blocks", []))
+    if histories:
+        warnings.warn(
+            f"{name}: device {device} records no allocations, only the {native.allocations} blocks live before "
+            f"recording or at the snapshot; the 'history' in {histories} of its blocks (PyTorch 1.13's and 2.0's "
+            "record) names the allocations last made in each, not when they were made or freed, and is not replayed",
+            stacklevel=3,
+        )
     return Trace(native)
 
 
