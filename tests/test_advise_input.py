@@ -293,6 +293,31 @@ def test_a_pytorch_2_0_block_is_advised_by_its_newest_allocation(tmp_path, reque
     assert advice.top_sites == [("now.py:1 (now)", 19 * MiB)]
 
 
+def test_a_pytorch_1_13_snapshot_is_advised_on_its_live_blocks(tmp_path):
+    # PyTorch 1.13's _snapshot() is the segments list alone; a block's history names what was
+    # last allocated in it, not when, so it sizes and places the live block but is not replayed.
+    def allocation(addr: int, real_size: int, name: str) -> dict:
+        return {"addr": addr, "real_size": real_size, "frames": [{"filename": f"{name}.py", "line": 1, "name": name}]}
+
+    at = 1 << 30
+    live = {"size": 8 * MiB, "state": LIVE, "history": [allocation(at, 8 * MiB - 100, "now")]}
+    freed = {"size": 12 * MiB, "state": "inactive", "history": [allocation(at + 8 * MiB, 12 * MiB, "old")]}
+    segment_ = {
+        "device": 0,
+        "address": at,
+        "total_size": 20 * MiB,
+        "allocated_size": 8 * MiB,
+        "active_size": 8 * MiB,
+        "stream": 0,
+        "segment_type": "large",
+        "blocks": [live, freed],
+    }
+    advice = gpupool.advise(write(tmp_path, [segment_]))
+    assert (advice.scope, advice.events, advice.peak_live_bytes) == ("segments", 1, 8 * MiB - 100)
+    assert advice.top_sites == [("now.py:1 (now)", 8 * MiB - 100)]
+    assert any(note.startswith("2 blocks carry a 'history'") and "not replayed" in note for note in advice.notes)
+
+
 @pytest.mark.parametrize("state", ["active_pending_free", "active_awaiting_free"])
 def test_a_block_waiting_on_another_stream_is_live(tmp_path, state):
     # PyTorch writes active_pending_free; its documented Snapshot type says active_awaiting_free.

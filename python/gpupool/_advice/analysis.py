@@ -107,6 +107,14 @@ def _start_notes(record: DeviceRecord, state: start.StartState, scope: str) -> l
             "job and the allocator's decisions cannot be answered from this file; record a history "
             "with torch.cuda.memory._record_memory_history() before the job's peak."
         )
+        histories = sum(b.carries_history for s in record.segments for b in s.blocks)
+        if histories:
+            notes.append(
+                f"{histories} blocks carry a 'history' (the allocations last made in each, as PyTorch 1.13 and "
+                "2.0 record them): it gives the live blocks' requested sizes and stack frames, but not when "
+                "allocations were made or freed, so it is not replayed. PyTorch 2.0 and later record the history "
+                "the replay needs (2.0 keeps one entry unless trace_alloc_max_entries is raised)."
+            )
     elif state.blocks or state.segments:
         held = sum(b.requested for b in state.blocks)
         notes.append(

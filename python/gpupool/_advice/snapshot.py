@@ -25,6 +25,8 @@ class Block:
     requested: int
     live: bool
     frames: Sequence[Any] = ()
+    # Lists the allocations last made in it (see `trace._carries_history`): not replayed.
+    carries_history: bool = False
 
 
 @dataclass
@@ -93,7 +95,8 @@ def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
         if frames is None:
             frames = _trace._newest_allocation(block, address).get("frames")
         live = block.get("state") in LIVE_STATES
-        blocks.append(Block(address, size, _trace._u64(requested, requested_key, at), live, _frames(frames)))
+        requested = _trace._u64(requested, requested_key, at)
+        blocks.append(Block(address, size, requested, live, _frames(frames), _trace._carries_history(block)))
         address += size
     return blocks
 
