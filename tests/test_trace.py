@@ -380,6 +380,20 @@ def test_entries_of_unknown_actions_are_skipped_with_a_warning(tmp_path):
         gtrace.load(dump(tmp_path, {"segments": [], "device_traces": [broken]}))
 
 
+def test_the_unknown_action_warning_points_at_the_line_that_read_the_snapshot(tmp_path):
+    snapshot = snapshot_with({"action": "realloc", "time_us": 9})
+    path = dump(tmp_path, snapshot)
+    readers = {
+        "from_snapshot": lambda: gtrace.from_snapshot(snapshot),
+        "load": lambda: gtrace.load(path),
+        "load_each": lambda: gtrace.load_each(path),
+    }
+    for reader, read in readers.items():
+        with pytest.warns(UserWarning) as caught:
+            read()
+        assert [(w.filename, w.lineno) for w in caught] == [(__file__, read.__code__.co_firstlineno)], reader
+
+
 def test_a_pickle_carrying_objects_is_refused_without_running_it(tmp_path):
     target = tmp_path / "pwned"
     path = dump(tmp_path, snapshot_with(Sneaky(target)))

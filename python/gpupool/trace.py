@@ -175,7 +175,7 @@ def load(path: PathLike, device: int | None = None) -> Trace:
     path = os.fspath(path)  # an int would be opened as a file descriptor, and closed
     device = _device_index(device)
     if _is_pickle(path):
-        return from_snapshot(_read_pickle(path), device=device, name=path)
+        return _from_snapshot(_read_pickle(path), device, path, stacklevel=3)
     if device not in (None, 0):
         raise ValueError(f"{path}: an RMM CSV holds one device's allocations; there is no device {device}")
     return Trace(_native.Trace.read_csv(path))
@@ -190,7 +190,12 @@ def load_each(path: PathLike) -> list[Trace]:
         return [Trace(_native.Trace.read_csv(path))]
     snapshot = _with_traces(_read_pickle(path))
     devices = _devices(snapshot, path)[1] if isinstance(snapshot, Mapping) else []
-    return [from_snapshot(snapshot, device=d, name=path) for d in devices or [None]]
+    # A loop, not a comprehension: before Python 3.12 a comprehension is a frame of its own,
+    # and the warnings would point at it instead of at the caller.
+    traces = []
+    for device in devices or [None]:
+        traces.append(_from_snapshot(snapshot, device, path, stacklevel=3))
+    return traces
 
 
 def _devices(snapshot: Mapping[str, Any], name: str = "snapshot") -> tuple[str, list[int]]:
@@ -355,6 +360,12 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
     ``free_completed`` entries, ``oom`` entries as recorded failures, and the blocks allocated
     before recording began as allocations at the start. Segments alone (the list
     ``torch.cuda.memory_snapshot()`` returns) give their live blocks."""
+    return _from_snapshot(snapshot, device, name, stacklevel=3)
+
+
+def _from_snapshot(snapshot: Any, device: Any, name: str, stacklevel: int) -> Trace:
+    """``from_snapshot``, warning ``stacklevel`` frames up from here: the line of user code
+    that called the public function that called this one."""
     snapshot, device = _with_traces(snapshot), _device_index(device)
     traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
@@ -380,7 +391,7 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
         else:
             rows.append(_entry_row(entry, f"{where}, entry {index}"))
     for action, count in sorted(skipped.items()):
-        warnings.warn(f"{where}: skipped {count} '{action}' entries this version does not know", stacklevel=3)
+        warnings.warn(f"{where}: skipped {count} '{action}' entries this version does not know", stacklevel=stacklevel)
     native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name))
     # Only where no allocation was recorded: otherwise the entries tell what the histories do.
     recorded = any(row[0] == "alloc" for row in rows)
