@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import gpupool
 from gpupool import cli
 from gpupool._advice import settings, sites
+from gpupool._advice.table import _Units
 
 
 def test_a_warmed_up_job_replays_from_where_recording_began(tmp_path):
@@ -500,3 +501,11 @@ def test_a_small_shortfall_on_a_job_of_gibibytes_is_said_in_mebibytes(tmp_path, 
         assert cli.main(["advise", str(path), "--capacity", str(capacity)]) == 0
         answer = capsys.readouterr().out.split("Answer")[1].split("gpupool:")[1]
         assert said.format(f"{capacity / (1 << 30):.2f} GiB") in answer, answer
+
+
+def test_no_difference_that_is_not_zero_is_said_as_zero_gibibytes():
+    gib = _Units(1 << 30)
+    # 0.005 GiB is 5,368,709.12 bytes: 5,368,709 prints as 0.00 GiB, 5,368,710 as 0.01 GiB.
+    assert gib.difference(5_368_709) == "5.12 MiB"
+    assert gib.difference(5_368_710) == "0.01 GiB"
+    assert gib.difference(0) == "0.00 GiB"

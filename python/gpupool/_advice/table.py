@@ -23,7 +23,8 @@ class _Units:
     def difference(self, value: int) -> str:
         """``value`` (not negative) in the report's unit, or in MiB where the unit would print a
         difference that is not zero as 0.00."""
-        if 0 < value < self.scale // 200:
+        # Below half a hundredth of the unit; `scale // 200` would round the bound down a byte.
+        if 0 < value and value * 200 < self.scale:
             return f"{value / (1 << 20):,.2f} MiB"
         return self(value)
 
