@@ -70,17 +70,20 @@ def build(rev: str, edits: list[tuple[str, str]], cache: Path) -> Path:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if "--" not in argv:
-        raise SystemExit(__doc__)
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Split by hand: argparse would take the command's own options for this script's.
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [--at REV] [--cache DIR] [NAME=VALUE ...] -- COMMAND [ARG ...]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--at", default="HEAD", help="the commit to build (default HEAD)")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/gpupool-variants"))
     parser.add_argument("edits", nargs="*", metavar="NAME=VALUE")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1 :]
     if not command:
-        raise SystemExit("variant: no command after --")
+        parser.error("no command after --")
     edits = []
     for item in args.edits:
         name, sep, value = item.partition("=")

@@ -46,3 +46,11 @@ def test_a_constant_declared_other_than_once_is_refused(tmp_path, name, message)
     with pytest.raises(SystemExit, match=message.replace(".", r"\.").replace("*", r"\*")):
         variant.edit(root, name, "3")
     assert (root / "rust/a.rs").read_text() == "const TWICE: u64 = 1;\n"
+
+
+def test_help_prints_the_usage_and_succeeds(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["variant.py", "--help"])
+    with pytest.raises(SystemExit) as exit:
+        variant.main()
+    assert exit.value.code == 0
+    assert "NAME=VALUE [NAME=VALUE ...] -- COMMAND" in capsys.readouterr().out
