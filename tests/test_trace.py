@@ -380,8 +380,10 @@ def test_entries_of_unknown_actions_are_skipped_with_a_warning(tmp_path):
         gtrace.load(dump(tmp_path, {"segments": [], "device_traces": [broken]}))
 
 
-def test_the_unknown_action_warning_points_at_the_line_that_read_the_snapshot(tmp_path):
-    snapshot = snapshot_with({"action": "realloc", "time_us": 9})
+@pytest.mark.parametrize("made", ["unknown action", "1.13 history"])
+def test_the_readers_warnings_point_at_the_line_that_read_the_snapshot(tmp_path, made):
+    unknown = snapshot_with({"action": "realloc", "time_us": 9})
+    snapshot = unknown if made == "unknown action" else pytorch_1_13_snapshot()
     path = dump(tmp_path, snapshot)
     readers = {
         "from_snapshot": lambda: gtrace.from_snapshot(snapshot),

@@ -175,7 +175,7 @@ def load(path: PathLike, device: int | None = None) -> Trace:
     path = os.fspath(path)  # an int would be opened as a file descriptor, and closed
     device = _device_index(device)
     if _is_pickle(path):
-        return _from_snapshot(_read_pickle(path), device, path, stacklevel=3)
+        return _from_snapshot(_read_pickle(path), device, path)
     if device not in (None, 0):
         raise ValueError(f"{path}: an RMM CSV holds one device's allocations; there is no device {device}")
     return Trace(_native.Trace.read_csv(path))
@@ -194,7 +194,7 @@ def load_each(path: PathLike) -> list[Trace]:
     # and the warnings would point at it instead of at the caller.
     traces = []
     for device in devices or [None]:
-        traces.append(_from_snapshot(snapshot, device, path, stacklevel=3))
+        traces.append(_from_snapshot(snapshot, device, path))
     return traces
 
 
@@ -360,12 +360,12 @@ def from_snapshot(snapshot: Any, device: int | None = None, name: str = "snapsho
     ``free_completed`` entries, ``oom`` entries as recorded failures, and the blocks allocated
     before recording began as allocations at the start. Segments alone (the list
     ``torch.cuda.memory_snapshot()`` returns) give their live blocks."""
-    return _from_snapshot(snapshot, device, name, stacklevel=3)
+    return _from_snapshot(snapshot, device, name)
 
 
-def _from_snapshot(snapshot: Any, device: Any, name: str, stacklevel: int) -> Trace:
-    """``from_snapshot``, warning ``stacklevel`` frames up from here: the line of user code
-    that called the public function that called this one."""
+def _from_snapshot(snapshot: Any, device: Any, name: str) -> Trace:
+    """``from_snapshot``. Called straight from each public reader, so that a warning three frames
+    up from here names the line of user code that called that reader."""
     snapshot, device = _with_traces(snapshot), _device_index(device)
     traces = snapshot.get("device_traces") if isinstance(snapshot, Mapping) else None
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
@@ -391,7 +391,7 @@ def _from_snapshot(snapshot: Any, device: Any, name: str, stacklevel: int) -> Tr
         else:
             rows.append(_entry_row(entry, f"{where}, entry {index}"))
     for action, count in sorted(skipped.items()):
-        warnings.warn(f"{where}: skipped {count} '{action}' entries this version does not know", stacklevel=stacklevel)
+        warnings.warn(f"{where}: skipped {count} '{action}' entries this version does not know", stacklevel=3)
     native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name))
     # Only where no allocation was recorded: otherwise the entries tell what the histories do.
     recorded = any(row[0] == "alloc" for row in rows)
