@@ -51,7 +51,7 @@ def programs(folder: str) -> list[tuple[str, str]]:
     return found
 
 
-def row(path: str) -> tuple[str, int, str]:
+def row(path: str) -> tuple[int, str]:
     """One program's Markdown row and its min capacity in bytes."""
     trace = load(path)
     unlimited = replay(trace, "strategy:default", min_capacity=True)
@@ -62,7 +62,7 @@ def row(path: str) -> tuple[str, int, str]:
     cells = [f"{least / MiB:,.0f} MiB ({unlimited.min_capacity_utilization or 0:.2%})"]
     cells += [f"{unlimited.peak_reserved_bytes / MiB:,.0f} MiB{' (over)' if over else ''}"]
     cells += [f"{unlimited.device_calls:,}"] + [f"{c:,}" for c in calls]
-    return name, least, "| " + " | ".join([name, *cells]) + " |"
+    return least, "| " + " | ".join([name, *cells]) + " |"
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|---:|")
         totals: dict[str, int] = {}
         with ThreadPoolExecutor(max_workers=2) as pool:
-            for (group, _), (_, least, line) in zip(found, pool.map(row, [p for _, p in found]), strict=True):
+            for (group, _), (least, line) in zip(found, pool.map(row, [p for _, p in found]), strict=True):
                 totals[group] = totals.get(group, 0) + least
                 print(line, flush=True)
         print()
