@@ -503,9 +503,18 @@ def test_a_small_shortfall_on_a_job_of_gibibytes_is_said_in_mebibytes(tmp_path, 
         assert said.format(f"{capacity / (1 << 30):.2f} GiB") in answer, answer
 
 
-def test_no_difference_that_is_not_zero_is_said_as_zero_gibibytes():
+def test_no_difference_that_is_not_zero_is_said_as_zero():
     gib = _Units(1 << 30)
     # 0.005 GiB is 5,368,709.12 bytes: 5,368,709 prints as 0.00 GiB, 5,368,710 as 0.01 GiB.
     assert gib.difference(5_368_709) == "5.12 MiB"
     assert gib.difference(5_368_710) == "0.01 GiB"
     assert gib.difference(0) == "0.00 GiB"
+    # Down to bytes, in a report of either unit.
+    mib = _Units(1 << 20)
+    assert (mib.difference(5_243), mib.difference(5_242), mib.difference(5), mib.difference(0)) == (
+        "0.01 MiB",
+        "5.12 KiB",
+        "5 B",
+        "0.00 MiB",
+    )
+    assert gib.difference(3_000) == "2.93 KiB"

@@ -21,12 +21,13 @@ class _Units:
         return f"{value / self.scale:{'+' if sign else ''},.2f} {self.name}"
 
     def difference(self, value: int) -> str:
-        """``value`` (not negative) in the report's unit, or in MiB where the unit would print a
-        difference that is not zero as 0.00."""
-        # Below half a hundredth of the unit; `scale // 200` would round the bound down a byte.
-        if 0 < value and value * 200 < self.scale:
-            return f"{value / (1 << 20):,.2f} MiB"
-        return self(value)
+        """``value`` (not negative) in the report's unit, or in the largest smaller one (MiB, KiB,
+        bytes) that does not print a difference that is not zero as 0.00."""
+        for name, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            # At least half a hundredth of the unit; `scale // 200` would round the bound down a byte.
+            if scale <= self.scale and (value == 0 or value * 200 >= scale):
+                return f"{value / scale:,.2f} {name}"
+        return f"{value:,} B"
 
 
 def _tail(text: str, width: int) -> str:
