@@ -41,7 +41,7 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
 
 /// For every mid size and stream: the block the cached search returns lies in the kind that the
 /// growth path's `redirect` names, and a kept best fit is never returned, nor waited for on
-/// another stream.
+/// another stream, nor is another stream's block outside the kind a run goes to.
 fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String> {
     for &rounded in &[300u64 << 10, 512 << 10, 768 << 10, MIB] {
         for &s in streams {
@@ -55,8 +55,14 @@ fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String
                     return Err(format!("find_cached gives a kept hole for {rounded} on {s}"));
                 }
             }
-            if pool.find_foreign(rounded, s).is_some_and(|(id, _)| pool.is_kept_hole(id)) {
-                return Err(format!("find_foreign gives a kept hole for {rounded} on {s}"));
+            if let Some((id, _)) = pool.find_foreign(rounded, s) {
+                if pool.is_kept_hole(id) {
+                    return Err(format!("find_foreign gives a kept hole for {rounded} on {s}"));
+                }
+                let run = pool.run_redirect(rounded);
+                if run.is_some_and(|kind| pool.heap.block_at(id).kind != kind) {
+                    return Err(format!("find_foreign leaves {run:?}, where a run of {rounded} goes"));
+                }
             }
         }
     }
@@ -149,5 +155,24 @@ fn another_streams_kept_hole_is_not_waited_for() {
     pool.hold_stream(a).unwrap();
     let mid = pool.alloc_on(768 << 10, b).unwrap();
     assert!(!(blocks[1].address..blocks[2].address).contains(&mid.address), "the kept hole was taken");
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn another_streams_hole_does_not_take_a_run_meant_for_the_small_range() {
+    // Nearly full: 60 of 64 MiB, so a long run of one size goes to the small range.
+    let mut pool = Pool::new(Sim::new(64 * MIB), Config::parse("strategy:default,cross_stream_reuse:wait").unwrap());
+    let (a, b) = (pool.create_stream().unwrap(), pool.create_stream().unwrap());
+    // Sizes asked for once each, so the hole is not a kept one (see the test above).
+    let held: Vec<_> = [16, 12, 20].iter().map(|&m| pool.alloc_on(m * MIB, a).unwrap()).collect();
+    let _rest = pool.alloc_on(8 * MIB, a).unwrap();
+    let run: Vec<_> = (0..8).map(|_| pool.alloc_on(512 << 10, b).unwrap()).collect();
+    pool.free(held[1].handle).unwrap();
+    pool.hold_stream(a).unwrap();
+    let next = pool.alloc_on(512 << 10, b).unwrap();
+    assert!(!(held[1].address..held[2].address).contains(&next.address), "the run's block waited for stream a");
+    let within = |s: &&crate::core::SegmentInfo| (s.address..s.address + s.size).contains(&next.address);
+    assert_eq!(pool.heap.segments().iter().find(within).map(|s| s.kind), Some(PoolKind::Small));
+    assert!(run.iter().all(|r| r.address != next.address));
     pool.check_invariants().unwrap();
 }

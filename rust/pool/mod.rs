@@ -280,9 +280,13 @@ impl<D: Device> Pool<D> {
     }
 
     /// A cached block of another stream for `rounded` bytes, with its owner; like
-    /// [`Pool::find_cached`], a mid-size request whose best fit there is a kept hole looks in the
-    /// small range instead.
+    /// [`Pool::find_cached`], a block of a long run near the limit looks only in the kind the run
+    /// goes to, and a mid-size request whose best fit there is a kept hole looks in the small
+    /// range instead.
     fn find_foreign(&self, rounded: u64, stream: StreamId) -> Option<(u32, StreamId)> {
+        if let Some(kind) = self.run_redirect(rounded) {
+            return self.heap.find_foreign_in(kind, rounded, stream);
+        }
         match self.heap.find_foreign(rounded, stream) {
             Some((id, _)) if self.recent.is_mid(rounded) && self.is_kept_hole(id) => {
                 self.heap.find_foreign_in(PoolKind::Small, rounded, stream)
