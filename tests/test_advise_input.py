@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import test_trace
 from advice_snapshots import BASE, MiB, block, entry, segment, warmed_up, write, write_deeply_nested
 from hypothesis import given
 from hypothesis import strategies as st
@@ -198,11 +199,13 @@ def test_damaged_and_hostile_files_are_errors_naming_the_file(tmp_path, monkeypa
     truncated = tmp_path / "truncated.pickle"
     truncated.write_bytes(pickle.dumps({"device_traces": [[entry("alloc", 1, 512)]], "segments": []})[:-9])
     wrong = write(tmp_path, {"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]}, "wrong.pickle")
+    unhashable = write(tmp_path, {"device_traces": [[{"action": ["alloc"], "addr": 1, "size": 1}]]}, "list.pickle")
     empty = write(tmp_path, {"device_traces": [], "segments": []}, "empty.pickle")
     for path, why in [
         (hostile, "only plain dicts, lists, strings and numbers are read"),
         (truncated, "not a readable PyTorch memory snapshot"),
         (wrong, "'addr' must be a non-negative int"),
+        (unhashable, "expected a dict with an 'action'"),
         (empty, "no device has a history or segments"),
         (tmp_path / "missing.pickle", "No such file"),
     ]:
@@ -518,3 +521,11 @@ def test_no_difference_that_is_not_zero_is_said_as_zero():
         "0.00 MiB",
     )
     assert gib.difference(3_000) == "2.93 KiB"
+
+
+@pytest.mark.parametrize("case", sorted(test_trace.MALFORMED_PICKLES | test_trace.OUT_OF_RANGE))
+def test_a_snapshot_that_trace_load_refuses_advise_refuses_too(tmp_path, case):
+    # The two readers check entries on paths of their own (advise's skips free requests).
+    snapshot, _ = (test_trace.MALFORMED_PICKLES | test_trace.OUT_OF_RANGE)[case]
+    with pytest.raises(ValueError, match=r"snap\.pickle"):
+        gpupool.advise(write(tmp_path, snapshot, "snap.pickle"))

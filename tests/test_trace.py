@@ -299,6 +299,8 @@ MALFORMED_PICKLES = {
         r"snap\.pickle, device_traces\[0\], entry 2: free of 0x10",
     ),
     "entry not a dict": (snapshot_with([1, 2]), r"entry 1: expected a dict"),
+    # Unhashable: looked up in a set of actions, it would raise a TypeError.
+    "action a list": (snapshot_with({"action": ["alloc"], "addr": 32, "size": 1}), r"entry 1: expected a dict with an"),
     "missing size": (snapshot_with({"action": "alloc", "addr": 32}), r"entry 1: 'size' must be"),
     "not a snapshot": ({"blocks": []}, r"snap\.pickle: not a memory snapshot"),
     "traces not lists": ({"segments": [], "device_traces": [None]}, r"snap\.pickle: not a memory snapshot"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupool import trace as _trace
-from gpupool.trace import KNOWN_ACTIONS, LIVE_STATES, U64
+from gpupool.trace import KNOWN_ACTIONS, LIVE_STATES
 
 Row = tuple[str, int, int, int, float]
 
@@ -129,33 +129,18 @@ def _segments(snapshot: Mapping[str, Any], name: str) -> dict[int, list[Segment]
     return by_device
 
 
-def _fast_row(entry: Any) -> Row | None:
-    """The row of a well-formed ``alloc`` or ``free_*`` entry, checked inline (a million of them
-    take a second this way); ``None`` sends anything else to the full check."""
-    if type(entry) is not dict:
-        return None
-    addr, size, stream, time_us = entry.get("addr"), entry.get("size"), entry.get("stream", 0), entry.get("time_us", 0)
-    if type(addr) is int and type(size) is int and type(stream) is int:
-        if 0 <= addr < U64 and 0 <= size < U64 and 0 <= stream < U64:
-            if (type(time_us) is int or type(time_us) is float) and -U64 < time_us < U64:
-                return (entry["action"], addr, size, stream, float(time_us))
-    return None
-
-
-_FAST_ACTIONS = frozenset(("alloc", "free_completed", "segment_alloc", "segment_free"))
-
-
 def _device_rows(entries: list[Any], where: str) -> tuple[list[Row], dict[int, Sequence[Any]], dict[str, int]]:
     rows: list[Row] = []
     frames: dict[int, Sequence[Any]] = {}
     skipped: dict[str, int] = {}
-    entry_row = _trace._entry_row
+    entry_row, fast_row = _trace._entry_row, _trace._fast_row
     for index, entry in enumerate(entries):
-        action = entry.get("action") if isinstance(entry, Mapping) else None
+        # `type() is dict` first: the check of an abstract Mapping costs as much as the rest.
+        action = entry.get("action") if type(entry) is dict or isinstance(entry, Mapping) else None
         # A block is reusable when its free completes; the request to free it changes nothing.
         if action == "free_requested":
             continue
-        row = _fast_row(entry) if action in _FAST_ACTIONS else None
+        row = fast_row(entry)
         if row is None:
             if isinstance(action, str) and action not in KNOWN_ACTIONS:
                 skipped[action] = skipped.get(action, 0) + 1
