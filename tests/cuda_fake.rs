@@ -675,3 +675,24 @@ fn allocations_during_a_global_capture_leave_it_valid() {
         pool.check_invariants().unwrap();
     }
 }
+
+/// Querying or synchronizing a capturing stream is illegal and invalidates its capture, and
+/// destroying a stream waits for it first: the pool refuses all three on a capturing stream (a
+/// Python `Stream` dropped mid-capture destroys its stream), and the capture stays valid.
+#[test]
+fn a_capturing_stream_is_not_queried_synchronized_or_destroyed() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch").unwrap());
+    let side = pool.create_stream().unwrap();
+    let handle = pool.device().stream_handle(side).unwrap();
+    assert!(fake.capture(handle, true));
+    let capturing = |refused: PoolError| matches!(refused, PoolError::Capturing(s) if s == side);
+    assert!(capturing(pool.query_stream(side).unwrap_err()));
+    assert!(capturing(pool.synchronize_stream(side).unwrap_err()));
+    assert!(capturing(pool.destroy_stream(side).unwrap_err()));
+    assert!(fake.capture(handle, false), "gpupool invalidated the capture");
+    assert!(pool.query_stream(side).unwrap());
+    pool.synchronize_stream(side).unwrap();
+    pool.destroy_stream(side).unwrap();
+}

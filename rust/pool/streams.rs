@@ -13,6 +13,7 @@ impl<D: Device> Pool<D> {
     /// the default stream (which always exists: their frees and copies need a stream), and
     /// destroys it.
     pub fn destroy_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
+        self.refuse_stream_capture(stream)?;
         self.device.synchronize_stream(stream)?;
         self.deferred.poll(&mut self.device, &mut self.heap, false)?;
         self.device.destroy_stream(stream)?;
@@ -51,14 +52,25 @@ impl<D: Device> Pool<D> {
 
     /// Whether all work queued on `stream` has finished.
     pub fn query_stream(&mut self, stream: StreamId) -> Result<bool, PoolError> {
+        self.refuse_stream_capture(stream)?;
         Ok(self.device.query_stream(stream)?)
     }
 
     /// Waits for `stream`, then returns whatever its completion made reusable.
     pub fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
+        self.refuse_stream_capture(stream)?;
         self.device.synchronize_stream(stream)?;
         self.deferred.poll(&mut self.device, &mut self.heap, false)?;
         self.after_completions();
+        Ok(())
+    }
+
+    /// Refuses to query, wait for or destroy a capturing stream: the driver forbids the first two
+    /// during a capture (and invalidates it), and destroying waits first.
+    fn refuse_stream_capture(&mut self, stream: StreamId) -> Result<(), PoolError> {
+        if self.captures_graphs {
+            self.refuse_capture(stream)?;
+        }
         Ok(())
     }
 
