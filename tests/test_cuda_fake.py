@@ -96,6 +96,47 @@ def test_a_forked_child_refuses_the_parents_cuda_pool(fake):
     assert result["child_calls"] == 0
 
 
+def test_a_forked_child_never_calls_the_driver(fake):
+    # CUDA does not survive a fork: any driver call in the child is undefined (the fake counts
+    # each as a violation). A bare Device and imported pages have no pool to refuse the child,
+    # and their destructors ran in it; an explicit call gets an error that says why.
+    result = fake_driver.run(
+        """
+        import gc, os
+        device = gpupool.Device("cuda")
+        device.allocate(1 << 20)
+        pool = gpupool.Pool("cuda:0", config="strategy:pages,shareable_handle:posix_fd")
+        ptr = pool.alloc(2 << 20)
+        pid, pages, offset = _native._export_pages(pool, ptr.ptr, 2 << 20)
+        imported = _native._import_pages(0, pid, pages)
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            before = violations()
+            try:
+                imported.close()
+                message = "closed"
+            except RuntimeError as e:
+                message = str(e)
+            del device, imported
+            gc.collect()
+            os.write(write, json.dumps([message, violations() - before]).encode())
+            os._exit(0)
+        os.close(write)
+        message, child_violations = json.loads(os.read(read, 4096))
+        assert os.waitpid(child, 0)[1] == 0
+        imported.close()
+        for fd, *_ in pages:
+            os.close(fd)
+        report(message=message, child_violations=child_violations, violations=violations())
+        """,
+        fake,
+    )
+    assert "forked" in result["message"]
+    assert result["child_violations"] == 0, "the child called the driver"
+    assert result["violations"] == 0, "the parent's pages and device were disturbed"
+
+
 def test_copies_outside_an_allocation_are_refused(fake):
     result = fake_driver.run(
         """

@@ -21,7 +21,8 @@
  *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
  *     memory a pending kernel uses is a violation;
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
- *     ordinals;
+ *     ordinals; no call at all in a child forked after cuInit (CUDA does not survive a fork: the
+ *     call is a violation, and fails with CUDA_ERROR_NOT_INITIALIZED);
  *   - contexts: streams and events belong to the context current when they were made (the
  *     legacy handles to whichever is current), and cuEventRecord takes an event and a stream of
  *     the same context only;
@@ -212,11 +213,21 @@ unsigned long long fake_cuda_mappings(void) {
     return n;
 }
 
-/* Every driver entry point: count it, take the lock, require cuInit (and a context) first. */
+/* Set in a child forked after cuInit: the parent's driver state is not the child's. */
+static int forked_after_init;
+static void mark_forked(void) { forked_after_init = 1; }
+
+/* Every driver entry point: count it, take the lock, require cuInit (and a context) first, and
+ * refuse a forked child. */
 #define ENTER(need_context)                                                    \
     pthread_mutex_lock(&lock);                                                 \
     count(__func__);                                                           \
     CUresult status = CUDA_SUCCESS;                                            \
+    if (forked_after_init) {                                                   \
+        violation("a driver call in a child forked after cuInit", 0, 0);       \
+        status = CUDA_ERROR_NOT_INITIALIZED;                                   \
+        goto out;                                                              \
+    }                                                                          \
     if (!initialized) { status = CUDA_ERROR_NOT_INITIALIZED; goto out; }       \
     if ((need_context) && !current) { status = CUDA_ERROR_INVALID_CONTEXT; goto out; }
 #define FAIL(code) do { status = (code); goto out; } while (0)
@@ -502,6 +513,11 @@ CUresult cuInit(unsigned int flags) {
     count(__func__);
     CUresult status = (CUresult)env_number("FAKE_CUDA_INIT_ERROR", 0);
     if (flags != 0) status = CUDA_ERROR_INVALID_VALUE;
+    if (forked_after_init) {
+        violation("cuInit in a child forked after cuInit", 0, 0);
+        status = CUDA_ERROR_NOT_INITIALIZED;
+    }
+    if (status == CUDA_SUCCESS && !initialized) pthread_atfork(NULL, NULL, mark_forked);
     if (status == CUDA_SUCCESS) initialized = 1;
     pthread_mutex_unlock(&lock);
     return status;

@@ -7,6 +7,7 @@
 use crate::device::DeviceError;
 use cudarc::driver::sys::{self, CUresult};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 /// The oldest driver gpupool accepts (CUDA 12.0), as `cuDriverGetVersion` encodes it.
@@ -105,6 +106,7 @@ fn probe_uncached() -> Result<DriverInfo, String> {
             .into());
     }
     check("cuInit", code).map_err(|e| format!("the CUDA driver failed to start: {e}"))?;
+    watch_forks();
     let mut version = 0;
     // SAFETY: the symbol exists (checked above) and writes one int through a valid pointer.
     check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) }).map_err(|e| e.to_string())?;
@@ -120,6 +122,35 @@ fn probe_uncached() -> Result<DriverInfo, String> {
     // SAFETY: writes one int through a valid pointer, after cuInit succeeded.
     check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut device_count) }).map_err(|e| e.to_string())?;
     Ok(DriverInfo { version, device_count })
+}
+
+/// Set in a child forked after the driver started. CUDA does not survive a fork: any driver
+/// call in such a child is undefined, so none is made there. Pools keep the parent's memory
+/// out of the child's reach too, but a bare device, imported pages, or a destructor running at
+/// the child's exit reach the driver only through [`Context`], which refuses.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn mark_forked() {
+    FORKED.store(true, Ordering::SeqCst);
+}
+
+/// Arms [`FORKED`] for children forked from now on; the probe runs it once, after `cuInit`.
+fn watch_forks() {
+    // SAFETY: the handler runs in the child right after the fork, where only async-signal-safe
+    // code may run: an atomic store is.
+    unsafe { libc::pthread_atfork(None, None, Some(mark_forked as unsafe extern "C" fn())) };
+}
+
+/// Refuses a driver call in a child forked after the driver started.
+fn refuse_forked() -> Result<(), DeviceError> {
+    if FORKED.load(Ordering::SeqCst) {
+        return Err(DeviceError::Driver(
+            "CUDA cannot be used in a process forked after it started CUDA (start it with multiprocessing's \
+             'spawn' method)"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 fn find_symbols(names: &[&str]) -> Result<(), String> {
@@ -247,6 +278,7 @@ pub struct Context {
 impl Context {
     pub fn retain(ordinal: i32) -> Result<Self, DeviceError> {
         let info = probe()?;
+        refuse_forked()?;
         if ordinal < 0 || ordinal >= info.device_count {
             return Err(DeviceError::Driver(format!(
                 "cuda:{ordinal} does not exist: the driver sees {} CUDA device(s)",
@@ -274,6 +306,7 @@ impl Context {
 
     /// Whether the device reports `attribute` (a yes/no attribute) as supported.
     pub fn supports(&self, attribute: sys::CUdevice_attribute) -> Result<bool, DeviceError> {
+        refuse_forked()?;
         let mut value = 0;
         // SAFETY: `device` is a valid device handle; one int written.
         check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, self.device) })?;
@@ -298,6 +331,7 @@ impl Context {
 /// Makes context `raw` current, as [`Context::enter`] does; the caller knows it is alive (ours,
 /// or the context of a stream the caller keeps alive).
 pub fn enter(raw: u64) -> Result<Entered, DeviceError> {
+    refuse_forked()?;
     let mut previous = std::ptr::null_mut();
     // SAFETY: writes one context handle through a valid pointer.
     check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut previous) })?;
@@ -329,6 +363,10 @@ impl Drop for Entered {
 
 impl Drop for Context {
     fn drop(&mut self) {
+        // The parent's retain, in a forked child: not this process's to release.
+        if refuse_forked().is_err() {
+            return;
+        }
         // SAFETY: balances the retain in `Context::retain`. A failure (the driver shutting down
         // at exit) leaves nothing to clean up.
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
