@@ -656,6 +656,47 @@ def test_cuda_array_interface_and_dlpack_on_cuda(fake):
     assert not result["host_view"]
 
 
+def test_dlpack_pulls_no_stream_into_the_producers_capture(fake):
+    # Ordering the consumer after a capturing producer would record an event in the capture and
+    # make the consumer wait for it, pulling the consumer into a capture that then cannot end
+    # (it never rejoins): refused. A consumer inside the same capture is ordered as usual.
+    result = fake_driver.run(
+        """
+        use_context(0)
+        pool = gpupool.Pool("cuda:0")
+        side, other = pool.stream(), pool.stream()
+        ptr = pool.alloc(64, stream=side)
+        def export(consumer):
+            try:
+                ptr.__dlpack__(stream=consumer)
+                return None
+            except RuntimeError as e:
+                return str(e)
+        def end(stream):
+            graph = ctypes.c_void_p()
+            return driver().cuStreamEndCapture(stream.handle, ctypes.byref(graph))
+        def wait(waiter, recorder):
+            event = ctypes.c_void_p()
+            assert driver().cuEventCreate(ctypes.byref(event), 2) == 0
+            assert driver().cuEventRecord(event, ctypes.c_void_p(recorder.handle)) == 0
+            assert driver().cuStreamWaitEvent(ctypes.c_void_p(waiter.handle), event, 0) == 0
+        assert driver().cuStreamBeginCapture_v2(side.handle, 2) == 0
+        refused = [export(None), export(other.handle)]
+        ended = end(side)
+        # A forked capture: `other` joins it, is ordered after `side`, and rejoins.
+        assert driver().cuStreamBeginCapture_v2(side.handle, 2) == 0
+        wait(other, side)
+        joined = export(other.handle)
+        wait(side, other)
+        report(refused=refused, ended=ended, joined=joined, joined_ended=end(side))
+        """,
+        fake,
+    )
+    assert all(e and "captured into a CUDA graph" in e for e in result["refused"]), result["refused"]
+    assert result["ended"] == 0, "the consumer was pulled into the capture"
+    assert result["joined"] is None and result["joined_ended"] == 0
+
+
 def test_c_abi_on_the_cuda_backend(fake):
     result = fake_driver.run(
         """

@@ -6,7 +6,7 @@ use super::error::{pool_error, value_error};
 use super::pool::{DevicePool, Shared};
 use crate::core::Handle;
 use crate::device::{Device, StreamId, DEFAULT_STREAM};
-use crate::pool::HeldBlock;
+use crate::pool::{HeldBlock, PoolError};
 use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
@@ -117,13 +117,22 @@ impl Memory<'_> {
             return Ok(());
         }
         let waiter = device.import_stream(consumer).map_err(|e| pool_error(e.into()))?;
-        let ordered = device.record_event(producer).and_then(|event| {
-            let waited = device.stream_wait_event(waiter, event);
-            device.destroy_event(event).and(waited)
-        });
+        let ordered = order_after(device, producer, waiter);
         if waiter != DEFAULT_STREAM {
             device.destroy_stream(waiter).map_err(|e| pool_error(e.into()))?;
         }
-        ordered.map_err(|e| pool_error(e.into()))
+        ordered.map_err(pool_error)
     }
+}
+
+/// Makes `waiter` wait for the work queued on `producer`. An event recorded while the producer
+/// is captured is a node of its graph, and a stream outside the capture that waits for it is
+/// pulled into the capture, which then cannot end: refused, as copies during a capture are.
+fn order_after(device: &mut dyn Device, producer: StreamId, waiter: StreamId) -> Result<(), PoolError> {
+    if device.is_capturing(producer)? && !device.is_capturing(waiter)? {
+        return Err(PoolError::Capturing(producer));
+    }
+    let event = device.record_event(producer)?;
+    let waited = device.stream_wait_event(waiter, event);
+    Ok(device.destroy_event(event).and(waited)?)
 }

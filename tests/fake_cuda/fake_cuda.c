@@ -17,7 +17,8 @@
  *     global mode: during its own capture or any global-mode capture), fail with
  *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture; while a blocking stream captures, the legacy stream is unusable
  *     (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT); a stream that waits for an event recorded in a
- *     capture joins it, and a capture that ends before its joined streams is invalid;
+ *     capture joins it, and a capture that ends before its joined streams rejoin it (the
+ *     origin stream waits for an event recorded on them after their last work) is invalid;
  *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
  *     memory a pending kernel uses is a violation;
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
@@ -125,9 +126,19 @@ struct stream {
     int capturing, capture_mode, capture_invalid;
     pthread_t capture_thread; /* the thread that began the capture */
     struct stream *joined; /* the capture this stream joined by waiting for one of its events */
+    int rejoined;          /* the origin stream waited for its latest work since */
+    unsigned long long captured; /* operations captured on it so far */
 };
 
-struct event { int live; struct context *context; struct stream *stream; unsigned long long seq; int captured; };
+/* `captured`: recorded in a capture, after `capture_ops` operations captured on its stream. */
+struct event {
+    int live;
+    struct context *context;
+    struct stream *stream;
+    unsigned long long seq;
+    int captured;
+    unsigned long long capture_ops;
+};
 struct allocation { uintptr_t address; size_t size; int device; unsigned long long serial; };
 struct physical { size_t size; int device; int mappings; int released; int retains; unsigned int handle_types; };
 struct mapping { uintptr_t address; size_t size; struct physical *physical; unsigned long long serial; };
@@ -399,6 +410,7 @@ static void add_dependency(struct op *op, struct stream *s, unsigned long long s
  * On a capturing stream the work goes into the graph instead, and never runs here. */
 static unsigned long long enqueue(struct stream *s, struct op *op) {
     if (s->capturing) {
+        s->captured++;
         free(op->backing);
         free(op);
         return 0;
@@ -871,13 +883,20 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
     if (!s || find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (flags != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
     if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    /* The legacy stream cannot join a capture: that is the disallowed implicit dependency on a
+     * capture sequence from the legacy stream. */
+    if (e->captured && e->stream && s == LEGACY) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     /* Waiting for an event recorded in a capture joins that capture: the stream's later work
      * goes into the graph, and the capture cannot end until the stream joins back. */
     if (e->captured && e->stream && !s->capturing) {
         s->capturing = 1;
         s->joined = e->stream->joined ? e->stream->joined : e->stream;
+        s->rejoined = 0;
         FAIL(CUDA_SUCCESS);
     }
+    /* The origin stream waiting for a joined stream's latest captured work joins it back. */
+    if (e->captured && e->stream && e->stream->joined == s && e->capture_ops == e->stream->captured)
+        e->stream->rejoined = 1;
     struct op *op = new_op(OP_MARK, 0, 0);
     if (e->stream) add_dependency(op, e->stream, e->seq);
     enqueue(s, op);
@@ -916,10 +935,11 @@ CUresult cuStreamEndCapture(void *handle, void **graph) {
     if (!s->capturing) FAIL(CUDA_ERROR_INVALID_VALUE);
     s->capturing = 0;
     for (int i = 0; i < MAX_ITEMS; i++)
-        if (streams[i] && streams[i]->joined == s) { /* never joined back: an invalid graph */
+        if (streams[i] && streams[i]->joined == s) {
+            if (!streams[i]->rejoined) s->capture_invalid = 1; /* never joined back: an invalid graph */
             streams[i]->capturing = 0;
             streams[i]->joined = NULL;
-            s->capture_invalid = 1;
+            streams[i]->rejoined = 0;
         }
     *graph = s->capture_invalid ? NULL : handle;
     if (s->capture_invalid) FAIL(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
@@ -972,6 +992,7 @@ CUresult cuEventRecord(struct event *e, void *handle) {
     if (e->context != (s == LEGACY ? current : s->context)) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     e->captured = s->capturing;
+    e->capture_ops = s->captured;
     e->stream = s;
     e->seq = s->capturing ? 0 : enqueue(s, new_op(OP_MARK, 0, 0));
     advance();
