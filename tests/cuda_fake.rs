@@ -696,3 +696,37 @@ fn a_capturing_stream_is_not_queried_synchronized_or_destroyed() {
     pool.synchronize_stream(side).unwrap();
     pool.destroy_stream(side).unwrap();
 }
+
+/// A stream imported from elsewhere that the pool keeps nothing for is forgotten without a
+/// driver call: its owner may have destroyed it already (a Python `Stream` wrapping a CuPy
+/// stream is often dropped after the CuPy stream), and any use of a destroyed stream is
+/// undefined. One that still owns a cached block is waited for first, as before: another
+/// stream may reuse the block only after its work.
+#[test]
+fn an_imported_stream_its_owner_destroyed_is_forgotten_without_a_driver_call() {
+    let (cuda, _turn) = open();
+    let fake = fake();
+    let mut pool = Pool::new(cuda, Config::parse("strategy:pytorch").unwrap());
+    let raw = fake.blocking_stream();
+    let imported = pool.device_mut().import_stream(raw).unwrap();
+    let a = pool.alloc_on(MIB, imported).unwrap();
+    pool.free(a.handle).unwrap();
+    pool.synchronize().unwrap();
+    fake.destroy_stream(raw);
+    let before = fake.violations();
+    pool.destroy_stream(imported).unwrap();
+    assert_eq!(fake.violations(), before, "the pool used the destroyed stream");
+    let b = pool.alloc_on(MIB, DEFAULT_STREAM).unwrap();
+    assert_eq!(b.address, a.address, "the block, shared since the synchronize, is reused");
+
+    let raw = fake.blocking_stream();
+    let imported = pool.device_mut().import_stream(raw).unwrap();
+    let c = pool.alloc_on(MIB, imported).unwrap();
+    pool.free(c.handle).unwrap();
+    let synchronized = calls("cuStreamSynchronize");
+    pool.destroy_stream(imported).unwrap();
+    assert_eq!(calls("cuStreamSynchronize"), synchronized + 1, "a stream with a cached block was not waited for");
+    fake.destroy_stream(raw);
+    pool.free(b.handle).unwrap();
+    pool.check_invariants().unwrap();
+}

@@ -11,10 +11,15 @@ impl<D: Device> Pool<D> {
 
     /// Waits for `stream`, hands its cached blocks to every stream and its live allocations to
     /// the default stream (which always exists: their frees and copies need a stream), and
-    /// destroys it.
+    /// destroys it. A stream imported from elsewhere that the pool keeps nothing for (no block,
+    /// free or not, is its own or used on it) is not waited for: nothing here needs its work,
+    /// and its owner may have destroyed it already.
     pub fn destroy_stream(&mut self, stream: StreamId) -> Result<(), PoolError> {
-        self.refuse_stream_capture(stream)?;
-        self.device.synchronize_stream(stream)?;
+        let kept_for = self.heap.streams_in_use().contains(&stream) || self.deferred.lists_use_on(stream);
+        if kept_for || !self.imported(stream) {
+            self.refuse_stream_capture(stream)?;
+            self.device.synchronize_stream(stream)?;
+        }
         self.deferred.poll(&mut self.device, &mut self.heap, false)?;
         self.device.destroy_stream(stream)?;
         self.deferred.forget_stream(stream);
@@ -22,6 +27,14 @@ impl<D: Device> Pool<D> {
         self.heap.hand_over(stream, DEFAULT_STREAM);
         self.after_completions();
         Ok(())
+    }
+
+    /// Whether `stream` is a driver stream made elsewhere (`Device::import_stream`): one with a
+    /// handle that the device did not create.
+    fn imported(&self, stream: StreamId) -> bool {
+        stream != DEFAULT_STREAM
+            && self.device.stream_handle(stream).is_some()
+            && !self.device.created_streams().contains(&stream)
     }
 
     /// Whether an allocation, or a free still waiting for work, belongs to `stream` or was used

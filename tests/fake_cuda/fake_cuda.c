@@ -259,10 +259,16 @@ static int find(void **table, const void *item) {
     return -1;
 }
 
+/* Destroyed streams are kept (never reused) so that a later use of one is seen: the handle is
+ * dangling on a real driver, and any use of it, destroying it again included, is a violation. */
+static struct stream *destroyed_streams[MAX_ITEMS];
+
 /* Handles 0x0 and 0x1 (legacy) and 0x2 (per-thread, treated alike here) are the default stream. */
 static struct stream *stream_of(void *handle) {
     if ((uintptr_t)handle <= 2) return LEGACY;
-    return find((void **)streams, handle) >= 0 ? handle : NULL;
+    if (find((void **)streams, handle) >= 0) return handle;
+    if (find((void **)destroyed_streams, handle) >= 0) violation("use of a destroyed stream", 0, 0);
+    return NULL;
 }
 
 static struct allocation *allocation_holding(uintptr_t address) {
@@ -846,13 +852,17 @@ static void forget_dependencies_on(struct stream *s) {
 CUresult cuStreamDestroy_v2(struct stream *s) {
     ENTER(1);
     int i = find((void **)streams, s);
-    if (i < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (i < 0) {
+        stream_of(s); /* a second destruction counts as a use of a destroyed stream */
+        FAIL(CUDA_ERROR_INVALID_HANDLE);
+    }
     run_until(s, s->enqueued);
     forget_dependencies_on(s);
     streams[i] = NULL;
     for (int e = 0; e < MAX_ITEMS; e++)
         if (events[e] && events[e]->stream == s) events[e]->stream = NULL;
-    free(s);
+    s->live = 0;
+    if (!add((void **)destroyed_streams, s)) free(s);
     LEAVE;
 }
 
