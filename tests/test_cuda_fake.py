@@ -656,10 +656,11 @@ def test_cuda_array_interface_and_dlpack_on_cuda(fake):
     assert not result["host_view"]
 
 
-def test_dlpack_pulls_no_stream_into_the_producers_capture(fake):
+def test_dlpack_ordering_leaves_captures_valid(fake):
     # Ordering the consumer after a capturing producer would record an event in the capture and
     # make the consumer wait for it, pulling the consumer into a capture that then cannot end
-    # (it never rejoins): refused. A consumer inside the same capture is ordered as usual.
+    # (it never rejoins), and the legacy stream is unusable during a blocking stream's capture:
+    # refused. A consumer inside the same capture is ordered as usual.
     result = fake_driver.run(
         """
         use_context(0)
@@ -683,17 +684,26 @@ def test_dlpack_pulls_no_stream_into_the_producers_capture(fake):
         assert driver().cuStreamBeginCapture_v2(side.handle, 2) == 0
         refused = [export(None), export(other.handle)]
         ended = end(side)
+        # A blocking stream's capture makes the legacy stream unusable, as a consumer too.
+        blocking = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(blocking), 0) == 0
+        assert driver().cuStreamBeginCapture_v2(blocking, 2) == 0
+        refused.append(export(None))
+        graph = ctypes.c_void_p()
+        blocking_ended = driver().cuStreamEndCapture(blocking, ctypes.byref(graph))
         # A forked capture: `other` joins it, is ordered after `side`, and rejoins.
         assert driver().cuStreamBeginCapture_v2(side.handle, 2) == 0
         wait(other, side)
         joined = export(other.handle)
         wait(side, other)
-        report(refused=refused, ended=ended, joined=joined, joined_ended=end(side))
+        report(refused=refused, ended=ended, blocking_ended=blocking_ended, joined=joined,
+               joined_ended=end(side))
         """,
         fake,
     )
     assert all(e and "captured into a CUDA graph" in e for e in result["refused"]), result["refused"]
     assert result["ended"] == 0, "the consumer was pulled into the capture"
+    assert result["blocking_ended"] == 0, "the legacy stream was used during a blocking stream's capture"
     assert result["joined"] is None and result["joined_ended"] == 0
 
 

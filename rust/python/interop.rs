@@ -127,10 +127,16 @@ impl Memory<'_> {
 
 /// Makes `waiter` wait for the work queued on `producer`. An event recorded while the producer
 /// is captured is a node of its graph, and a stream outside the capture that waits for it is
-/// pulled into the capture, which then cannot end: refused, as copies during a capture are.
+/// pulled into the capture, which then cannot end; and the legacy stream, which counts as
+/// capturing while a blocking stream captures, may not be used at all then (using it
+/// invalidates that capture). Both are refused, as copies during a capture are.
 fn order_after(device: &mut dyn Device, producer: StreamId, waiter: StreamId) -> Result<(), PoolError> {
-    if device.is_capturing(producer)? && !device.is_capturing(waiter)? {
+    let (producing, waiting) = (device.is_capturing(producer)?, device.is_capturing(waiter)?);
+    if producing && (!waiting || producer == DEFAULT_STREAM) {
         return Err(PoolError::Capturing(producer));
+    }
+    if waiting && waiter == DEFAULT_STREAM {
+        return Err(PoolError::Capturing(waiter));
     }
     let event = device.record_event(producer)?;
     let waited = device.stream_wait_event(waiter, event);
