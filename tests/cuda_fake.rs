@@ -12,7 +12,7 @@
 
 use gpupool::core::{Metric, StatType};
 use gpupool::device::{Cuda, CudaMode, Device, DeviceError, DEFAULT_STREAM};
-use gpupool::pool::{Config, Pool, PoolError};
+use gpupool::pool::{Config, Pool, PoolError, Refused};
 use std::ffi::{c_char, CString};
 use std::path::PathBuf;
 use std::process::Command;
@@ -687,7 +687,7 @@ fn a_capturing_stream_is_not_queried_synchronized_or_destroyed() {
     let side = pool.create_stream().unwrap();
     let handle = pool.device().stream_handle(side).unwrap();
     assert!(fake.capture(handle, true));
-    let capturing = |refused: PoolError| matches!(refused, PoolError::Capturing(s) if s == side);
+    let capturing = |refused: PoolError| matches!(refused, PoolError::Capturing(s, Refused::Wait) if s == side);
     assert!(capturing(pool.query_stream(side).unwrap_err()));
     assert!(capturing(pool.synchronize_stream(side).unwrap_err()));
     assert!(capturing(pool.destroy_stream(side).unwrap_err()));

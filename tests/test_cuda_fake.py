@@ -659,8 +659,9 @@ def test_cuda_array_interface_and_dlpack_on_cuda(fake):
 def test_dlpack_ordering_leaves_captures_valid(fake):
     # Ordering the consumer after a capturing producer would record an event in the capture and
     # make the consumer wait for it, pulling the consumer into a capture that then cannot end
-    # (it never rejoins), and the legacy stream is unusable during a blocking stream's capture:
-    # refused. A consumer inside the same capture is ordered as usual.
+    # (it never rejoins); the legacy stream is unusable during a blocking stream's capture; and a
+    # capturing consumer may not wait for an event recorded outside its capture: refused. A
+    # consumer inside the same capture is ordered as usual.
     result = fake_driver.run(
         """
         use_context(0)
@@ -691,19 +692,25 @@ def test_dlpack_ordering_leaves_captures_valid(fake):
         refused.append(export(None))
         graph = ctypes.c_void_p()
         blocking_ended = driver().cuStreamEndCapture(blocking, ctypes.byref(graph))
+        # A capturing consumer of an allocation whose stream is outside the capture: it may not
+        # wait for an event recorded there.
+        assert driver().cuStreamBeginCapture_v2(other.handle, 2) == 0
+        refused.append(export(other.handle))
+        consumer_ended = end(other)
         # A forked capture: `other` joins it, is ordered after `side`, and rejoins.
         assert driver().cuStreamBeginCapture_v2(side.handle, 2) == 0
         wait(other, side)
         joined = export(other.handle)
         wait(side, other)
         report(refused=refused, ended=ended, blocking_ended=blocking_ended, joined=joined,
-               joined_ended=end(side))
+               joined_ended=end(side), consumer_ended=consumer_ended)
         """,
         fake,
     )
-    assert all(e and "captured into a CUDA graph" in e for e in result["refused"]), result["refused"]
+    assert all(e and "no order between streams can cross" in e for e in result["refused"]), result["refused"]
     assert result["ended"] == 0, "the consumer was pulled into the capture"
     assert result["blocking_ended"] == 0, "the legacy stream was used during a blocking stream's capture"
+    assert result["consumer_ended"] == 0, "the capturing consumer waited for an event outside its capture"
     assert result["joined"] is None and result["joined_ended"] == 0
 
 

@@ -11,7 +11,7 @@
 //! back to the device either (a release may synchronize, which a capture forbids), and copies
 //! to or from an allocation whose stream captures are refused.
 
-use super::{Pool, PoolError};
+use super::{Pool, PoolError, Refused};
 use crate::core::{Handle, Heap, USE_OVERFLOW_BIT};
 use crate::device::{Device, DeviceError, StreamId, DEFAULT_STREAM};
 
@@ -29,10 +29,10 @@ pub(super) fn any_capturing<D: Device>(device: &mut D, heap: &Heap) -> bool {
 }
 
 impl<D: Device> Pool<D> {
-    /// Refuses work for `stream` while it is being captured.
-    pub(super) fn refuse_capture(&mut self, stream: StreamId) -> Result<(), PoolError> {
+    /// Refuses `what` for `stream` while it is being captured.
+    pub(super) fn refuse_capture(&mut self, stream: StreamId, what: Refused) -> Result<(), PoolError> {
         if self.device.is_capturing(stream)? {
-            return Err(PoolError::Capturing(stream));
+            return Err(PoolError::Capturing(stream, what));
         }
         Ok(())
     }

@@ -136,8 +136,20 @@ pub enum PoolError {
     InvalidSize(u64),
     Heap(HeapError),
     Device(DeviceError),
-    /// The stream is being captured into a CUDA graph (see `pool/capture.rs`).
-    Capturing(crate::device::StreamId),
+    /// The stream is being captured into a CUDA graph (see `pool/capture.rs`), and this would
+    /// break the graph or the capture.
+    Capturing(crate::device::StreamId, Refused),
+}
+
+/// What a capture refuses, for [`PoolError::Capturing`]'s message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// An allocation or a copy on the capturing stream.
+    Work,
+    /// A query, a wait or a destroy, which the driver forbids during capture.
+    Wait,
+    /// An order between two streams across the capture's edge (a DLPack export's).
+    Order,
 }
 
 impl fmt::Display for PoolError {
@@ -147,11 +159,21 @@ impl fmt::Display for PoolError {
             PoolError::InvalidSize(size) => write!(f, "invalid allocation size {size}"),
             PoolError::Heap(e) => e.fmt(f),
             PoolError::Device(e) => e.fmt(f),
-            PoolError::Capturing(stream) => write!(
+            PoolError::Capturing(stream, Refused::Work) => write!(
                 f,
                 "stream {stream} is being captured into a CUDA graph: gpupool does not allocate during capture \
                  (a graph's replays would write to memory the pool hands to others); allocate the graph's \
                  buffers before capturing"
+            ),
+            PoolError::Capturing(stream, Refused::Wait) => write!(
+                f,
+                "stream {stream} is being captured into a CUDA graph: it cannot be queried, waited for or \
+                 destroyed until the capture ends (the driver would invalidate the capture)"
+            ),
+            PoolError::Capturing(stream, Refused::Order) => write!(
+                f,
+                "stream {stream} is being captured into a CUDA graph: no order between streams can cross the \
+                 capture's edge (export with stream=-1 for no ordering, or from a stream of the same capture)"
             ),
         }
     }

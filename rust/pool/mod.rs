@@ -22,7 +22,7 @@ pub use config::{
     parse_size, Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Setting, Strategy, ENV_VAR,
     NO_DEVICE_MEMORY_EFFECT,
 };
-pub use error::{format_bytes, OomReport, PoolError};
+pub use error::{format_bytes, OomReport, PoolError, Refused};
 pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
 
@@ -406,7 +406,7 @@ impl<D: Device> Pool<D> {
     fn alloc_uncached(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
         Self::validate(size)?;
         if self.captures_graphs {
-            self.refuse_capture(stream)?;
+            self.refuse_capture(stream, Refused::Work)?;
         }
         // More than the device or the pool's limit could ever hold: no cache flush can help, and
         // no bookkeeping is set up for it.
@@ -645,7 +645,7 @@ impl<D: Device> Pool<D> {
             return Err(PoolError::Device(DeviceError::InvalidAddress(address.saturating_add(offset))));
         }
         if self.captures_graphs {
-            self.refuse_capture(stream)?;
+            self.refuse_capture(stream, Refused::Work)?;
         }
         Ok((address + offset, stream))
     }

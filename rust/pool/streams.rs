@@ -1,6 +1,6 @@
 //! The pool's stream operations: creating and retiring streams, recording uses, synchronizing.
 
-use super::{Pool, PoolError};
+use super::{Pool, PoolError, Refused};
 use crate::core::{Handle, Metric, StatType};
 use crate::device::{Device, StreamId, DEFAULT_STREAM};
 
@@ -82,7 +82,7 @@ impl<D: Device> Pool<D> {
     /// during a capture (and invalidates it), and destroying waits first.
     fn refuse_stream_capture(&mut self, stream: StreamId) -> Result<(), PoolError> {
         if self.captures_graphs {
-            self.refuse_capture(stream)?;
+            self.refuse_capture(stream, Refused::Wait)?;
         }
         Ok(())
     }

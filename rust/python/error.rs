@@ -21,7 +21,7 @@ pub fn pool_error(e: PoolError) -> PyErr {
             d @ (DeviceError::InvalidAddress(_) | DeviceError::InvalidStream(_) | DeviceError::InvalidEvent(_)),
         ) => PyValueError::new_err(d.to_string()),
         PoolError::Device(d) => PyRuntimeError::new_err(d.to_string()),
-        PoolError::Capturing(_) => PyRuntimeError::new_err(e.to_string()),
+        PoolError::Capturing(..) => PyRuntimeError::new_err(e.to_string()),
     }
 }
 

@@ -6,7 +6,7 @@ use super::error::{pool_error, value_error};
 use super::pool::{DevicePool, Shared};
 use crate::core::Handle;
 use crate::device::{Device, StreamId, DEFAULT_STREAM};
-use crate::pool::{HeldBlock, PoolError};
+use crate::pool::{HeldBlock, PoolError, Refused};
 use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
@@ -125,18 +125,19 @@ impl Memory<'_> {
     }
 }
 
-/// Makes `waiter` wait for the work queued on `producer`. An event recorded while the producer
-/// is captured is a node of its graph, and a stream outside the capture that waits for it is
-/// pulled into the capture, which then cannot end; and the legacy stream, which counts as
-/// capturing while a blocking stream captures, may not be used at all then (using it
-/// invalidates that capture). Both are refused, as copies during a capture are.
+/// Makes `waiter` wait for the work queued on `producer`. No order can cross a capture's edge:
+/// an event recorded in a capture and waited for outside it pulls the waiter into the capture,
+/// which then cannot end; a capturing stream may not wait for an event recorded outside its
+/// capture (only as an external event node, which would outlive the event made here); and the
+/// legacy stream, which counts as capturing while a blocking stream captures, may not be used at
+/// all then (using it invalidates that capture). All are refused, as copies during a capture are.
 fn order_after(device: &mut dyn Device, producer: StreamId, waiter: StreamId) -> Result<(), PoolError> {
     let (producing, waiting) = (device.is_capturing(producer)?, device.is_capturing(waiter)?);
     if producing && (!waiting || producer == DEFAULT_STREAM) {
-        return Err(PoolError::Capturing(producer));
+        return Err(PoolError::Capturing(producer, Refused::Order));
     }
-    if waiting && waiter == DEFAULT_STREAM {
-        return Err(PoolError::Capturing(waiter));
+    if waiting && (!producing || waiter == DEFAULT_STREAM) {
+        return Err(PoolError::Capturing(waiter, Refused::Order));
     }
     let event = device.record_event(producer)?;
     let waited = device.stream_wait_event(waiter, event);

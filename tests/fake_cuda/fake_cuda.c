@@ -18,7 +18,9 @@
  *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture; while a blocking stream captures, the legacy stream is unusable
  *     (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT); a stream that waits for an event recorded in a
  *     capture joins it, and a capture that ends before its joined streams rejoin it (the
- *     origin stream waits for an event recorded on them after their last work) is invalid;
+ *     origin stream waits for an event recorded on them after their last work) is invalid; a
+ *     capturing stream's plain wait for an event recorded outside the capture is invalid
+ *     (CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
  *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
  *     memory a pending kernel uses is a violation;
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
@@ -79,6 +81,7 @@ enum {
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
     CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
     CUDA_ERROR_UNKNOWN = 999,
 };
@@ -903,6 +906,13 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
         s->joined = e->stream->joined ? e->stream->joined : e->stream;
         s->rejoined = 0;
         FAIL(CUDA_SUCCESS);
+    }
+    /* A capturing stream may wait only for work of its own capture: an event recorded outside
+     * it would need CU_EVENT_WAIT_EXTERNAL (an external event node), and this fake, like the
+     * programming guide, takes a plain wait on it as invalid. */
+    if (s->capturing && e->stream && !e->captured) {
+        invalidate_capture(s);
+        FAIL(CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
     }
     /* The origin stream waiting for a joined stream's latest captured work joins it back. */
     if (e->captured && e->stream && e->stream->joined == s && e->capture_ops == e->stream->captured)
