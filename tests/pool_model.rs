@@ -83,16 +83,12 @@ fn check_watermark<D: Device>(pool: &Pool<D>) {
     }
 }
 
-/// The pool never reserves more than its memory fraction allows. (Expandable page maps do not
-/// consult the fraction yet.)
+/// The pool never reserves more than its memory fraction allows, paged strategies included.
 fn check_limit<D: Device>(pool: &Pool<D>) {
     let (Some(fraction), Some(total)) = (pool.config().per_process_memory_fraction, pool.device().memory_info().total)
     else {
         return;
     };
-    if pool.config().paging.is_some() {
-        return;
-    }
     let reserved = pool.stats().get(Metric::ReservedBytes, StatType::All).current;
     assert!(
         reserved as f64 <= fraction * total as f64,
