@@ -5,7 +5,7 @@ recorded segment decisions and the final segments."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gpupool
@@ -66,10 +66,14 @@ def recording(before, after, flush: bool, config: str = CONFIG):
 
 @settings(max_examples=100 * EXAMPLES_SCALE)
 @given(OPS, OPS, st.booleans(), st.sampled_from([CONFIG, EXPANDABLE]))
+# Cached segments and nothing recorded after: the device has segments but no history.
+@example([("alloc", MiB), ("free", 0)], [("free", 0)], False, CONFIG)
 def test_undoing_the_history_gives_the_state_it_began_in(before, after, flush, config):
     then, final, peak = recording(before, after, flush, config)
     [record] = snapshot.from_dict(final, "generated").devices or [None]
     if record is None:
+        # No history and no segments: nothing can have been held when recording began either.
+        assert (state_of(then), peak) == ((set(), set()), 0)
         return
     state = start.starting_state(record.rows, record.segments)
     assert {(s.address, s.size) for s in state.segments} == state_of(then)[0]
@@ -82,9 +86,10 @@ def test_undoing_the_history_gives_the_state_it_began_in(before, after, flush, c
 @settings(max_examples=100 * EXAMPLES_SCALE)
 @given(OPS, OPS)
 def test_replaying_from_the_start_reproduces_the_decisions_and_final_segments(before, after):
-    _, final, _ = recording(before, after, flush=False)
+    then, final, _ = recording(before, after, flush=False)
     [record] = snapshot.from_dict(final, "generated").devices or [None]
     if record is None:
+        assert state_of(then) == (set(), set())
         return
     state = start.starting_state(record.rows, record.segments)
     trace = _native.Trace.from_snapshot_entries(
