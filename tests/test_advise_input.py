@@ -38,6 +38,24 @@ def test_a_warmed_up_job_replays_from_where_recording_began(tmp_path):
     assert any("Recording began mid-run: 1 blocks" in note for note in advice.notes)
 
 
+def test_a_device_holding_only_cached_segments_beside_a_recorded_one_is_not_advised(tmp_path):
+    # cuda:1 ran before recording began and left only free blocks in its cache: nothing to
+    # replay, as `gpupool.trace.load_each` reads it too.
+    entries, segments = warmed_up(0)
+    cached = segment(BASE + (1 << 40), 2 * MiB, [block(BASE + (1 << 40), 2 * MiB, 0, "inactive")], device=1)
+    path = write(tmp_path, {"device_traces": [entries, []], "segments": segments + [cached]})
+    assert [a.device for a in gpupool.advise_each(path)] == [0]
+    assert len(gpupool.trace.load_each(path)) == 1
+    assert gpupool.advise(path).device == 0
+    with pytest.raises(ValueError, match=r"no device 1 with a history or segments \(devices: \[0\]\)"):
+        gpupool.advise(path, device=1)
+    # With live blocks in it, cuda:1 is read by both.
+    cached["blocks"][0]["state"] = "active_allocated"
+    path = write(tmp_path, {"device_traces": [entries, []], "segments": segments + [cached]})
+    assert [a.device for a in gpupool.advise_each(path)] == [0, 1]
+    assert len(gpupool.trace.load_each(path)) == 2
+
+
 def test_several_devices_are_each_advised(tmp_path, capsys):
     first, second = warmed_up(0), warmed_up(1)
     path = write(tmp_path, {"device_traces": [first[0], second[0]], "segments": first[1] + second[1]})

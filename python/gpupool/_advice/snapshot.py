@@ -169,10 +169,10 @@ def _from_dict(snapshot: Any, name: str) -> Snapshot:
         )
     segments = _segments(snapshot, name)
     devices = []
-    for device in sorted(set(range(len(traces))) | set(segments)):
+    # The devices `gpupool.trace.load_each` reads: beside a recorded device, one that holds only
+    # cached segments has nothing to replay.
+    for device in _trace._devices(snapshot, name)[1]:
         entries = traces[device] if device < len(traces) else []
-        if not entries and not segments.get(device):
-            continue
         rows, frames, skipped = _device_rows(entries, f"{name}, device_traces[{device}]")
         devices.append(DeviceRecord(device, rows, frames, segments.get(device, []), skipped))
     settings = snapshot.get("allocator_settings")
