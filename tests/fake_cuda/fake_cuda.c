@@ -404,7 +404,10 @@ static void advance(void) {
 static void run_until(struct stream *s, unsigned long long seq) {
     while (s->completed < seq) {
         struct op *op = s->head;
-        for (int i = 0; i < op->ndeps; i++) run_until(op->deps[i].stream, op->deps[i].seq);
+        if (!deps_done(op)) {
+            for (int i = 0; i < op->ndeps; i++) run_until(op->deps[i].stream, op->deps[i].seq);
+            continue; /* running a dependency advances every stream: `op` may have run (and gone) */
+        }
         op->held = 0;
         run_front(s);
     }
