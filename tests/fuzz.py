@@ -4,10 +4,10 @@ fresh seeds, until the time is up.
     python tests/fuzz.py --minutes 60            # fresh seeds; each round prints its seed
     python tests/fuzz.py --seed 1234             # replays one round of a failure's seed
 
-A round runs the misuse machine for every strategy on host and sim (each in a child
-interpreter), the Hypothesis suites under the "fuzz" profile with the round's seed, the damaged
-trace loader, and the Rust property tests with more cases. The first failure stops the run and
-prints the command that replays it.
+A round runs the misuse machine for every strategy on host, sim and cuda over the fake driver
+(each in a child interpreter; cuda where a C compiler builds the fake), the Hypothesis suites
+under the "fuzz" profile with the round's seed, the damaged trace loader, and the Rust property
+tests with more cases. The first failure stops the run and prints the command that replays it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 
+import fake_driver  # noqa: E402
 from test_misuse import run_machine  # noqa: E402
 
 from pool_checks import STRATEGIES  # noqa: E402
@@ -34,13 +35,16 @@ MISUSE_EXAMPLES = 300
 
 
 def misuse_round(seed: int, scratch: Path, deadline: float) -> str | None:
-    for device in ("host", "sim"):
+    fake = fake_driver.build(scratch / "fake_cuda") if fake_driver.compiler() else None
+    for device in ("host", "sim", "cuda") if fake else ("host", "sim"):
         for strategy in STRATEGIES:
             if time.monotonic() > deadline:
                 return None
             log = scratch / f"misuse-{device}-{strategy}.log"
             print(f"  misuse {device} strategy:{strategy}", flush=True)
-            child = run_machine(device, strategy, MISUSE_EXAMPLES, seed, log, timeout=900)
+            # A cuda example costs about three times a host one.
+            examples = MISUSE_EXAMPLES // 3 if device == "cuda" else MISUSE_EXAMPLES
+            child = run_machine(device, strategy, examples, seed, log, timeout=900, fake=fake)
             if child.returncode != 0:
                 steps = log.read_text() if log.exists() else ""
                 return f"misuse {device} {strategy} (exit {child.returncode}):\n{child.stdout[-6000:]}\n{steps}"

@@ -6,7 +6,10 @@ test failure rather than the end of the run; by hand:
 
     GPUPOOL_MISUSE=host,default,40,40,misuse.log python -m pytest tests/misuse_machine.py --hypothesis-seed=7
 
-(device, strategy, examples, steps per example, step log). Each step is appended to the log
+(device, strategy, examples, steps per example, step log). The ``cuda`` device runs on the fake
+driver (tests/fake_cuda, found through LD_LIBRARY_PATH): there a held stream runs a kernel, on
+scratch memory or over a live allocation, every new block is first touched by a kernel on its
+stream, and any breach of the driver's rules the fake counts fails the run. Each step is appended to the log
 before it runs (the log restarts with each example), so after a crash it holds the steps that
 led there. Failures are not shrunk unless ``GPUPOOL_MISUSE_SHRINK=1`` is set (shrinking a stateful
 failure can take Hypothesis five minutes); a child that hangs has its threads' stacks dumped
@@ -15,6 +18,7 @@ failure can take Hypothesis five minutes); a child that hangs has its threads' s
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import gc
 import itertools
@@ -34,7 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import gpupool
 from pool_checks import Ledger, MiB, check_pool, rounded, rules_of
 
-CAPACITY = {"host": 192 * MiB, "sim": 512 * MiB}
+CAPACITY = {"host": 192 * MiB, "sim": 512 * MiB, "cuda": 192 * MiB}
 # Mostly small requests; some large ones fill the device; some sizes are wrong on purpose.
 GOOD_SIZES = st.one_of(st.integers(1, 4096), st.integers(1, 2 * MiB), st.integers(1, 40 * MiB), st.just(0))
 BAD_SIZES = st.one_of(
@@ -77,9 +81,26 @@ class Entry:
     # The newest writes as (offset, bytes), oldest first; older ones are dropped unverified.
     writes: list[tuple[int, bytes]] = field(default_factory=list)
 
+    # Kernels queued on it and not yet run, as (stream, start, end).
+    kernels: list[tuple[int, int, int]] = field(default_factory=list)
+
     def write(self, offset: int, data: bytes) -> None:
         if data:
             self.writes = [*self.writes[-15:], (offset, bytes(data))]
+
+    def forget(self, start: int, end: int) -> None:
+        """Drops what is remembered of the bytes in ``[start, end)``."""
+        kept = []
+        for offset, data in self.writes:
+            before, after = data[: max(0, start - offset)], data[max(0, end - offset) :]
+            kept += [(offset, before)] if before else []
+            kept += [(offset + len(data) - len(after), after)] if after else []
+        self.writes = kept
+
+    def racing(self, start: int, end: int, stream: int) -> set[int]:
+        """The streams other than ``stream`` with a queued kernel on ``[start, end)``: work there
+        on ``stream`` would race with them."""
+        return {k for k, s, e in self.kernels if k != stream and s < end and start < e}
 
     def expected(self) -> list[tuple[int, bytes]]:
         """What each remembered write's range must hold now: the write, overlaid by later ones."""
@@ -113,6 +134,49 @@ class Pending:
     waits: set[int]
 
 
+class FakeDriver:
+    """The fake CUDA driver's test controls: kernels that keep a stream busy over a range of
+    device memory until a synchronizing call (or ``complete``) runs them, and the count of
+    driver-rule breaches."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.fake_cuda_violations.restype = ctypes.c_ulonglong
+        lib.fake_cuda_last_violation.restype = ctypes.c_char_p
+        lib.fake_cuda_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ubyte]
+        lib.fake_cuda_complete.argtypes = [ctypes.c_void_p]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        self.lib = lib
+        assert gpupool.device_count() > 0  # initializes the driver
+        # Scratch memory outside the pool, for kernels that only keep a stream busy.
+        device, context, scratch = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+        assert lib.cuDeviceGet(ctypes.byref(device), 0) == 0
+        assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
+        assert lib.cuCtxSetCurrent(context) == 0
+        assert lib.cuMemAlloc_v2(ctypes.byref(scratch), SCRATCH_SLOTS * 4096) == 0
+        self.scratch = scratch.value
+        self.seen = 0  # violations before the current program: a failing one is replayed
+
+    def begin(self) -> None:
+        self.seen = self.lib.fake_cuda_violations()
+
+    def launch(self, stream: gpupool.Stream, address: int, size: int, tag: int) -> None:
+        assert self.lib.fake_cuda_launch(stream.handle, address, size, tag) == 0
+
+    def complete(self, stream: gpupool.Stream) -> None:
+        assert self.lib.fake_cuda_complete(stream.handle) == 0
+
+    def check(self) -> None:
+        count = self.lib.fake_cuda_violations() - self.seen
+        assert count == 0, f"{count} driver-rule violations, the last: {self.lib.fake_cuda_last_violation().decode()}"
+
+
+FAKE: FakeDriver | None = None
+# Scratch pages, one per stream that holds one: kernels of two streams on the same bytes would
+# race (the fake rightly counts that), and at most five streams exist at once.
+SCRATCH_SLOTS = 8
+
+
 class MisuseMachine(RuleBasedStateMachine):
     device = "host"
     strategy = "default"
@@ -123,7 +187,15 @@ class MisuseMachine(RuleBasedStateMachine):
             LOG.write_text(f"# {self.device} strategy:{self.strategy}\n")
         self.pool = gpupool.Pool(self.device, capacity=CAPACITY[self.device], config=f"strategy:{self.strategy}")
         self.other_pool = gpupool.Pool("sim", capacity=64 * MiB)
-        self.host = self.device == "host"
+        self.host = self.device == "host"  # bytes the host can reach: arrays, buffers
+        self.cuda = self.device == "cuda"
+        self.copies = self.host or self.cuda
+        global FAKE
+        if self.cuda and FAKE is None:
+            FAKE = FakeDriver()
+        if self.cuda:
+            FAKE.begin()
+        self.slots: dict[int, int] = {}  # scratch slot of each stream that held one
         self.entries: list[Entry] = []
         self.exports: list[Export] = []
         self.pending: list[Pending] = []
@@ -154,11 +226,15 @@ class MisuseMachine(RuleBasedStateMachine):
         self.held.clear()
         for p in self.pending:
             p.waits.clear()
+        for e in self.entries:
+            e.kernels.clear()
 
     def stream_idle(self, stream: int) -> None:
         self.held.discard(stream)
         for p in self.pending:
             p.waits.discard(stream)
+        for e in self.entries:
+            e.kernels = [k for k in e.kernels if k[0] != stream]
 
     def released(self, entry: Entry) -> None:
         """The last holder of a freed entry's bytes let go: it waits for busy use streams or is free."""
@@ -171,7 +247,10 @@ class MisuseMachine(RuleBasedStateMachine):
         """Returning memory to the device (`cudaFree` semantics) and the out-of-memory ladder
         synchronize every stream: their counters tell when that happened."""
         stats = self.pool.memory_stats()
-        seen = (stats["num_device_free"], stats["num_alloc_retries"])
+        # The cuda backend waits for the device only where the pool says so (a driver free does
+        # not, in the fake): there only the pool's own synchronizations count.
+        freed = stats["num_sync_all_streams"] if self.cuda else stats["num_device_free"]
+        seen = (freed, stats["num_alloc_retries"])
         if seen != self.synchronizations:
             self.synchronizations = seen
             self.all_idle()
@@ -200,13 +279,19 @@ class MisuseMachine(RuleBasedStateMachine):
         block = self.block_size(ptr)
         self.ledger.allocated(size)
         self.entries.append(Entry(ptr, ptr.ptr, size, block, sid))
-        if self.host and size:
+        if self.cuda and size:
+            # The new owner's first work: a kernel over the whole block, run at once. The fake
+            # counts a violation if a kernel another stream queued earlier still uses any byte.
+            FAKE.launch(stream, ptr.ptr, block, 0)
+            FAKE.complete(stream)
+        if self.copies and size:
             # An owner's first write: a stamp at both ends.
             data_bytes = bytes([next(self.tags) % 251]) * min(size, 64)
             ptr.copy_from_host(data_bytes)
             ptr.copy_from_host(data_bytes, size - len(data_bytes))
             self.entries[-1].write(0, data_bytes)
             self.entries[-1].write(size - len(data_bytes), data_bytes)
+            self.stream_idle(sid)  # a copy waits for its stream
 
     def block_size(self, ptr) -> int:
         if ptr.size == 0:
@@ -243,6 +328,9 @@ class MisuseMachine(RuleBasedStateMachine):
         exported = bool(self.exports_of(entry))
         if how == "drop" and exported:
             how = "method"  # exports keep the pointer alive: dropping our reference frees nothing
+        self.free_entry(entry, how, exported)
+
+    def free_entry(self, entry: Entry, how: str, exported: bool) -> None:
         log(f"free({entry.ptr!r}, how={how}, exported={exported})")
         ptr = entry.ptr
         if how == "method":
@@ -341,8 +429,8 @@ class MisuseMachine(RuleBasedStateMachine):
             assert entry.freed and "was freed" in str(e), e
             assert ptr.exports == before
             return
-        except (AttributeError, BufferError, TypeError) as e:
-            assert not self.host, e  # sim memory has no bytes to export
+        except (AttributeError, BufferError, TypeError, RuntimeError) as e:
+            assert not self.host, e  # sim memory has no bytes, and NumPy reads no device memory
             assert ptr.exports == before, "a failed export left its pin"
             return
         assert not entry.freed, "a freed pointer made a new export"
@@ -382,17 +470,20 @@ class MisuseMachine(RuleBasedStateMachine):
         size = entry.size
         offset = data.draw(st.one_of(st.integers(0, size + 16), st.integers(-(2**65), 2**65)))
         payload = bytes(data.draw(st.binary(max_size=1024)))
+        self.wait_for_kernels(entry, offset, offset + len(payload))
         log(f"copy_in({entry.ptr!r}, offset={offset}, len={len(payload)})")
         try:
             entry.ptr.copy_from_host(payload, offset)
         except ValueError as e:
             fits = 0 <= offset and offset + len(payload) <= size
-            assert entry.freed or not fits or (payload and not self.host), e
+            assert entry.freed or not fits or (payload and not self.copies), e
             return
         except (OverflowError, TypeError):
             assert offset < 0 or offset > 2**64
             return
-        assert not entry.freed and self.host or not payload
+        assert not entry.freed and self.copies or not payload
+        if payload:
+            self.stream_idle(entry.stream)
         entry.write(offset, payload)
 
     @precondition(lambda self: self.entries)
@@ -402,13 +493,16 @@ class MisuseMachine(RuleBasedStateMachine):
         size = entry.size
         offset = data.draw(st.integers(0, size + 16))
         length = data.draw(st.integers(0, size + 16))
+        self.wait_for_kernels(entry, offset, offset + length)
         log(f"copy_out({entry.ptr!r}, offset={offset}, size={length})")
         try:
             out = entry.ptr.copy_to_host(offset, length)
         except ValueError as e:
-            assert entry.freed or offset + length > size or (length and not self.host), e
+            assert entry.freed or offset + length > size or (length and not self.copies), e
             return
         assert len(out) == length and not entry.freed
+        if length:
+            self.stream_idle(entry.stream)
         for start, expected in entry.expected():
             lo, hi = max(start, offset), min(start + len(expected), offset + length)
             if lo < hi:
@@ -424,9 +518,63 @@ class MisuseMachine(RuleBasedStateMachine):
 
     def hold(self, data):
         sid, stream = self.stream_choice(data)
-        log(f"hold({sid})")
-        stream.hold()
+        if not self.cuda:
+            log(f"hold({sid})")
+            stream.hold()
+        else:
+            # A kernel that stays queued: over an allocation the stream owns or was recorded
+            # on (the bytes a free must not hand out until it ran), or over scratch memory.
+            users = [e for e in self.live() if e.size and (e.stream == sid or sid in e.uses)]
+            if users and data.draw(st.booleans()):
+                self.kernel(data, sid, stream, pick(data, users))
+            else:
+                if sid not in self.slots:
+                    taken = {self.slots[s] for s in self.streams if s in self.slots}
+                    self.slots[sid] = min(set(range(SCRATCH_SLOTS)) - taken)
+                log(f"kernel({sid}, scratch slot {self.slots[sid]})")
+                FAKE.launch(stream, FAKE.scratch + self.slots[sid] * 4096, 4096, 0)
         self.held.add(sid)
+
+    def wait_for_kernels(self, entry: Entry, start: int, end: int, stream: int | None = None) -> None:
+        """What a correct program does before it touches bytes on ``stream`` (the owner's by
+        default) that another stream's queued kernel writes: it waits for that stream."""
+        if not entry.freed:
+            for sid in sorted(entry.racing(start, end, entry.stream if stream is None else stream)):
+                log(f"synchronize_stream({sid})")
+                self.streams[sid].synchronize()
+                self.stream_idle(sid)
+
+    def kernel(self, data, sid: int, stream: gpupool.Stream, entry: Entry) -> None:
+        """Queues a kernel on ``stream`` that writes into ``entry`` once it runs."""
+        start = data.draw(st.integers(0, entry.size - 1))
+        end = data.draw(st.integers(start + 1, entry.size))
+        tag = data.draw(st.integers(0, 255))
+        self.wait_for_kernels(entry, start, end, sid)
+        log(f"kernel({sid}, {entry.ptr!r}, {start}:{end}, tag={tag})")
+        FAKE.launch(stream, entry.address + start, end - start, tag)
+        if sid == entry.stream:
+            entry.write(start, bytes([tag]) * (end - start))  # ordered before the owner's copies
+        else:
+            entry.forget(start, end)  # unknown until that stream is waited for
+        entry.kernels.append((sid, start, end))
+        self.held.add(sid)
+
+    @precondition(lambda self: self.cuda and any(e.size for e in self.live()))
+    @rule(data=st.data(), then_free=st.booleans())
+    def use_on_a_stream(self, data, then_free):
+        """What a framework does with a tensor on a side stream: ``record_stream``, a kernel
+        there, often the free right after; the block's next owner must not overtake the kernel."""
+        entry = pick(data, [e for e in self.live() if e.size])
+        if len(self.streams) == 1:
+            self.new_stream()  # a side stream to use it on
+        sid, stream = self.stream_choice(data)
+        log(f"record_stream({entry.ptr!r}, {sid})")
+        entry.ptr.record_stream(stream)
+        if sid != entry.stream:
+            entry.uses.add(sid)
+        self.kernel(data, sid, stream, entry)
+        if then_free:
+            self.free_entry(entry, "method", bool(self.exports_of(entry)))
 
     def query(self, data):
         sid, stream = self.stream_choice(data)
@@ -664,8 +812,10 @@ class MisuseMachine(RuleBasedStateMachine):
         live = [e.ptr for e in self.live()]
         check_pool(self.pool, live, pending=sum(pending_now.values()), ledger=self.ledger)
         self.no_overlap()
-        if self.host:
+        if self.copies:
             self.contents_intact()
+        if self.cuda:
+            FAKE.check()
 
     def no_overlap(self):
         granule = rules_of(self.pool).granule
@@ -692,6 +842,8 @@ class MisuseMachine(RuleBasedStateMachine):
                 n = min(len(expected), limit - start)
                 if n > 0:
                     assert read(start, n) == expected[:n], f"bytes of {entry.ptr!r} at {start} changed"
+                    if not entry.freed:
+                        self.stream_idle(entry.stream)  # a copy waits for its stream
 
     def teardown(self):
         log("teardown()")
@@ -705,6 +857,13 @@ class MisuseMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
         shutil.rmtree(self.scratch, ignore_errors=True)
         assert self.pool.memory_reserved() == 0 and self.pool.device_memory_held() == 0, "memory leaked"
+        if self.cuda:
+            # Every pool on the device shares its context, and dropping one synchronizes it: this
+            # one goes now, not at a collection in the middle of the next program.
+            self.freed_ptrs, self.kept_by_pointers, self.dead_streams, self.streams = [], [], [], {}
+            self.pool = None  # type: ignore[assignment]
+            gc.collect()
+            FAKE.check()
 
 
 def _configured_case():

@@ -1,5 +1,6 @@
-"""The misuse state machine (tests/misuse_machine.py) for every strategy on host and sim, each in
-a child interpreter: a crash fails one test and shows the steps that led to it."""
+"""The misuse state machine (tests/misuse_machine.py) for every strategy on host, sim and the
+cuda backend over the fake driver, each in a child interpreter: a crash fails one test and shows
+the steps that led to it."""
 
 from __future__ import annotations
 
@@ -11,27 +12,38 @@ import sys
 import time
 from pathlib import Path
 
+import fake_driver
 import pytest
 
 from pool_checks import EXAMPLES_SCALE, STRATEGIES
 
 MACHINE = Path(__file__).with_name("misuse_machine.py")
-# Examples per (device, strategy), about two minutes for all of them on two cores.
-EXAMPLES = {"host": 80, "sim": 80}
+# Examples per (device, strategy), about three minutes for all of them on two cores (a cuda
+# example costs about three times a host one: its kernels and the fake's checks).
+EXAMPLES = {"host": 80, "sim": 80, "cuda": 24}
 STEPS = 40
 # A fixed seed keeps CI reproducible; `make fuzz` draws fresh ones (GPUPOOL_FUZZ_SEED replays one).
 SEED = int(os.environ.get("GPUPOOL_FUZZ_SEED", "0"))
 
 
 def run_machine(
-    device: str, strategy: str, examples: int, seed: int, log: Path, timeout: float | None = None
+    device: str,
+    strategy: str,
+    examples: int,
+    seed: int,
+    log: Path,
+    timeout: float | None = None,
+    fake: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """Runs the machine in a child. One that outlives `timeout` is taken to hang: its threads'
-    Python stacks (the child dumps them on SIGUSR1) and native stacks (gdb, where present) are
-    appended to its stderr, and it is killed (exit -9). By default the limit leaves that time
-    inside pytest-timeout's 300 s (an example takes about 0.1 s)."""
+    """Runs the machine in a child, on the fake driver built in ``fake`` for the cuda device.
+    One that outlives `timeout` is taken to hang: its threads' Python stacks (the child dumps
+    them on SIGUSR1) and native stacks (gdb, where present) are appended to its stderr, and it
+    is killed (exit -9). By default the limit leaves that time inside pytest-timeout's 300 s
+    (an example takes about 0.1 s)."""
     timeout = timeout if timeout is not None else 120 + examples / 4
     env = {**os.environ, "GPUPOOL_MISUSE": f"{device},{strategy},{examples},{STEPS},{log}"}
+    if fake is not None:
+        env["LD_LIBRARY_PATH"] = str(fake)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(MACHINE)]
     command += [f"--hypothesis-seed={seed}", "-W", "error"]
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -60,11 +72,19 @@ def stacks_of_hung(child: subprocess.Popen, log: Path) -> str:
     return "\n".join(found)
 
 
-@pytest.mark.parametrize("device", ["host", "sim"])
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    if fake_driver.compiler() is None:
+        pytest.skip("no C compiler to build the fake driver")
+    return fake_driver.build(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.mark.parametrize("device", ["host", "sim", "cuda"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_no_program_crashes_or_corrupts_a_pool(device, strategy, tmp_path):
+def test_no_program_crashes_or_corrupts_a_pool(device, strategy, tmp_path, request):
     log = tmp_path / "steps.log"
-    child = run_machine(device, strategy, EXAMPLES[device] * EXAMPLES_SCALE, SEED, log)
+    library = request.getfixturevalue("fake") if device == "cuda" else None
+    child = run_machine(device, strategy, EXAMPLES[device] * EXAMPLES_SCALE, SEED, log, fake=library)
     if child.returncode < 0 or child.returncode > 1:
         steps = log.read_text() if log.exists() else "(no step log)"
         pytest.fail(f"the child died (exit {child.returncode}) after these steps:\n{steps}\n{child.stderr[-30000:]}")
