@@ -28,6 +28,7 @@ def driver():
     lib.fake_cuda_calls.restype = ctypes.c_ulonglong
     lib.fake_cuda_violations.restype = ctypes.c_ulonglong
     lib.fake_cuda_mappings.restype = ctypes.c_ulonglong
+    lib.fake_cuda_used.restype = ctypes.c_ulonglong
     lib.fake_cuda_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ubyte]
     lib.fake_cuda_complete.argtypes = [ctypes.c_void_p]
     lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]

@@ -28,7 +28,9 @@
  *     call is a violation, and fails with CUDA_ERROR_NOT_INITIALIZED);
  *   - contexts: streams and events belong to the context current when they were made (the
  *     legacy handles to whichever is current), and cuEventRecord takes an event and a stream of
- *     the same context only;
+ *     the same context only; a primary context lives while retained (and not reset), one made
+ *     with cuCtxCreate until cuCtxDestroy, and a context that dies takes its streams and events
+ *     with it (its handle, made current or current already, is an invalid context);
  *   - virtual memory: sizes and addresses aligned to the granularity the driver reports, mapping
  *     only unmapped pages, cuMemUnmap of whole mappings only, access set on fully mapped ranges,
  *     address ranges freed only when nothing in them is mapped, exports only of handles created
@@ -98,7 +100,9 @@ enum {
  * Handles given out are pointers to these; every handle passed in is looked up in a registry
  * before use, so a stale or made-up handle is an error, not a crash. */
 
-struct context { int device; int retains; };
+/* A primary context (`contexts`) lives while retained, and not reset since its latest retain;
+ * one made with cuCtxCreate (`created_contexts`) holds one retain until it is destroyed. */
+struct context { int device; int retains; int reset; };
 
 /* An operation queued on a stream. It runs when it is at the front of its stream and every
  * dependency (stream, sequence number) has completed; a kernel also waits to be finished. */
@@ -151,6 +155,7 @@ struct mempool { int device; unsigned long long release_threshold; };
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
 static struct context contexts[MAX_DEVICES];
+static struct context created_contexts[MAX_DEVICES];
 static struct mempool mempools[MAX_DEVICES];
 static size_t used[MAX_DEVICES];
 static __thread struct context *current;
@@ -227,6 +232,30 @@ unsigned long long fake_cuda_mappings(void) {
     return n;
 }
 
+/* Whether `c` is a context handle given out and not dead since. */
+static int context_live(const struct context *c) {
+    uintptr_t at = (uintptr_t)c;
+    int primary = at >= (uintptr_t)contexts && at < (uintptr_t)(contexts + MAX_DEVICES);
+    int created = at >= (uintptr_t)created_contexts && at < (uintptr_t)(created_contexts + MAX_DEVICES);
+    return (primary || created) && c->retains > 0 && !c->reset;
+}
+
+/* Device memory allocated on device `ordinal` (what cuMemGetInfo counts as used): a leak check. */
+unsigned long long fake_cuda_used(int ordinal) {
+    pthread_mutex_lock(&lock);
+    unsigned long long n = ordinal >= 0 && ordinal < MAX_DEVICES ? used[ordinal] : 0;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+/* Retains held on device `ordinal`'s primary context (0: it is dead). */
+int fake_cuda_primary_retains(int ordinal) {
+    pthread_mutex_lock(&lock);
+    int n = ordinal >= 0 && ordinal < MAX_DEVICES ? contexts[ordinal].retains : 0;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
 /* Set in a child forked after cuInit: the parent's driver state is not the child's. */
 static int forked_after_init;
 static void mark_forked(void) { forked_after_init = 1; }
@@ -243,7 +272,7 @@ static void mark_forked(void) { forked_after_init = 1; }
         goto out;                                                              \
     }                                                                          \
     if (!initialized) { status = CUDA_ERROR_NOT_INITIALIZED; goto out; }       \
-    if ((need_context) && !current) { status = CUDA_ERROR_INVALID_CONTEXT; goto out; }
+    if ((need_context) && !context_live(current)) { status = CUDA_ERROR_INVALID_CONTEXT; goto out; }
 #define FAIL(code) do { status = (code); goto out; } while (0)
 #define LEAVE out: pthread_mutex_unlock(&lock); return status
 
@@ -352,6 +381,7 @@ static int deps_done(const struct op *op) {
 }
 
 static CUresult release_range(uintptr_t address);
+static void destroy_context(struct context *c);
 
 /* Runs the front operation of `s` (which must be runnable). */
 static void run_front(struct stream *s) {
@@ -614,6 +644,7 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice device) {
     if (ordinal < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
     contexts[ordinal].device = ordinal;
     contexts[ordinal].retains++;
+    contexts[ordinal].reset = 0;
     *ctx = &contexts[ordinal];
     LEAVE;
 }
@@ -623,7 +654,54 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     int ordinal = ordinal_of(device);
     if (ordinal < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
     if (contexts[ordinal].retains == 0) FAIL(CUDA_ERROR_INVALID_CONTEXT);
-    contexts[ordinal].retains--;
+    if (--contexts[ordinal].retains == 0) destroy_context(&contexts[ordinal]);
+    LEAVE;
+}
+
+/* cudaDeviceReset: the primary context dies whoever retains it (the retains stay, to be
+ * released); the next retain makes it anew. */
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice device) {
+    ENTER(0);
+    int ordinal = ordinal_of(device);
+    if (ordinal < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    destroy_context(&contexts[ordinal]);
+    contexts[ordinal].reset = 1;
+    LEAVE;
+}
+
+/* A context of its own (not the primary one), made current on the calling thread. */
+CUresult cuCtxCreate_v2(void **ctx, unsigned int flags, CUdevice device) {
+    ENTER(0);
+    int ordinal = ordinal_of(device);
+    if (!ctx || flags != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (ordinal < 0) FAIL(CUDA_ERROR_INVALID_DEVICE);
+    struct context *c = NULL;
+    for (int i = 0; i < MAX_DEVICES && !c; i++)
+        if (created_contexts[i].retains == 0) c = &created_contexts[i];
+    if (!c) FAIL(CUDA_ERROR_OUT_OF_MEMORY);
+    *c = (struct context){ordinal, 1, 0};
+    current = c;
+    *ctx = c;
+    LEAVE;
+}
+
+CUresult cuCtxDestroy_v2(void *ctx) {
+    ENTER(0);
+    struct context *c = ctx;
+    uintptr_t at = (uintptr_t)c;
+    if (at < (uintptr_t)created_contexts || at >= (uintptr_t)(created_contexts + MAX_DEVICES) || !context_live(c))
+        FAIL(CUDA_ERROR_INVALID_CONTEXT);
+    destroy_context(c);
+    c->retains = 0;
+    if (current == c) current = NULL;
+    LEAVE;
+}
+
+/* The device of the current context. */
+CUresult cuCtxGetDevice(CUdevice *device) {
+    ENTER(1);
+    if (!device) FAIL(CUDA_ERROR_INVALID_VALUE);
+    *device = current->device + DEVICE_HANDLE_BASE;
     LEAVE;
 }
 
@@ -637,7 +715,7 @@ CUresult cuCtxGetCurrent(void **ctx) {
 CUresult cuCtxSetCurrent(void *ctx) {
     ENTER(0);
     struct context *c = ctx;
-    if (c && (c < contexts || c >= contexts + MAX_DEVICES || c->retains == 0)) FAIL(CUDA_ERROR_INVALID_CONTEXT);
+    if (c && !context_live(c)) FAIL(CUDA_ERROR_INVALID_CONTEXT);
     current = c;
     LEAVE;
 }
@@ -855,13 +933,8 @@ static void forget_dependencies_on(struct stream *s) {
 }
 
 /* As the driver does, a destroyed stream's queued work still runs (here: at once). */
-CUresult cuStreamDestroy_v2(struct stream *s) {
-    ENTER(1);
-    int i = find((void **)streams, s);
-    if (i < 0) {
-        stream_of(s); /* a second destruction counts as a use of a destroyed stream */
-        FAIL(CUDA_ERROR_INVALID_HANDLE);
-    }
+static void destroy_stream(int i) {
+    struct stream *s = streams[i];
     run_until(s, s->enqueued);
     forget_dependencies_on(s);
     streams[i] = NULL;
@@ -869,7 +942,29 @@ CUresult cuStreamDestroy_v2(struct stream *s) {
         if (events[e] && events[e]->stream == s) events[e]->stream = NULL;
     s->live = 0;
     if (!add((void **)destroyed_streams, s)) free(s);
+}
+
+CUresult cuStreamDestroy_v2(struct stream *s) {
+    ENTER(1);
+    int i = find((void **)streams, s);
+    if (i < 0) {
+        stream_of(s); /* a second destruction counts as a use of a destroyed stream */
+        FAIL(CUDA_ERROR_INVALID_HANDLE);
+    }
+    destroy_stream(i);
     LEAVE;
+}
+
+/* A context dying (its last primary retain released, a reset, or cuCtxDestroy): its work
+ * finishes, and its streams and events are destroyed; later uses of their handles are errors. */
+static void destroy_context(struct context *c) {
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i] && streams[i]->context == c) destroy_stream(i);
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (events[i] && events[i]->context == c) {
+            free(events[i]);
+            events[i] = NULL;
+        }
 }
 
 CUresult cuStreamQuery(void *handle) {
