@@ -508,6 +508,115 @@ def test_events_on_another_devices_streams_are_all_destroyed(fake):
     assert result["violations"] == 0
 
 
+def test_another_devices_context_outlives_its_owners_release_until_the_pool_closes(fake):
+    # PyTorch or CuPy may release device 1's primary context while the pool still holds events
+    # recorded there (released to zero, a context dies with its streams and events). The pool
+    # retains it itself, once for all its streams, and releases it at close, after those events
+    # and after freeing all of its own memory. It used to leave its memory to the driver then.
+    result = fake_driver.run(
+        """
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        assert gpupool.device_count() == 2 and driver().cuDeviceGet(ctypes.byref(device), 1) == 0
+        assert driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
+        assert driver().cuCtxSetCurrent(context) == 0
+        raws = [ctypes.c_void_p(), ctypes.c_void_p()]
+        for raw in raws:
+            assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+        assert driver().cuCtxSetCurrent(None) == 0
+        pool = gpupool.Pool("cuda:0")
+        sides = [pool.external_stream(raw.value) for raw in raws]
+        kept = pool.alloc(1 << 20)
+        ptr = pool.alloc(3 << 20)
+        for side in sides:
+            pool.record_stream(ptr, side)
+        assert driver().cuCtxSetCurrent(context) == 0
+        launch(raws[0].value, ptr.ptr, 3 << 20)           # the free's event there stays pending
+        assert driver().cuCtxSetCurrent(None) == 0
+        ptr.free()
+        retains = driver().fake_cuda_primary_retains(1)
+        assert driver().cuCtxSetCurrent(context) == 0     # the owner is done with device 1
+        for raw in raws:
+            assert driver().cuStreamDestroy_v2(raw) == 0
+        assert driver().cuCtxSetCurrent(None) == 0
+        assert driver().cuDevicePrimaryCtxRelease_v2(device) == 0
+        again = pool.alloc(3 << 20)
+        again.copy_from_host(b"still works")
+        data = again.copy_to_host(size=11).decode()
+        held = driver().fake_cuda_used(0)
+        del ptr, again, kept, side, sides, pool
+        report(retains=retains, data=data, held=held, used=driver().fake_cuda_used(0),
+               after=driver().fake_cuda_primary_retains(1), violations=violations(),
+               created=calls("cuEventCreate"), destroyed=calls("cuEventDestroy_v2"))
+        """,
+        fake,
+        device_count=2,
+    )
+    assert result["data"] == "still works" and result["held"] > 0
+    assert result["used"] == 0, "the pool's device memory leaked at close"
+    assert result["violations"] == 0
+    assert result["retains"] == 2, "one retain of device 1's context for both streams, beside its owner's"
+    assert result["after"] == 0, "the pool's retain of device 1's context was not released"
+    assert result["created"] >= 2 and result["destroyed"] == result["created"]
+
+
+def test_closing_frees_the_pools_memory_when_another_devices_context_was_reset(fake):
+    # cudaDeviceReset on device 1 kills its primary context however many retain it, and the
+    # events the pool recorded there with it. Closing skips those events and still frees the
+    # pool's own memory; it used to stop at the first one and leave all of it to the driver.
+    result = fake_driver.run(
+        """
+        use_context(1)
+        raw, device = ctypes.c_void_p(), ctypes.c_int()
+        assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+        use_context(0)
+        pool = gpupool.Pool("cuda:0")
+        side = pool.external_stream(raw.value)
+        ptr = pool.alloc(3 << 20)
+        pool.record_stream(ptr, side)
+        use_context(1)
+        launch(raw.value, ptr.ptr, 3 << 20)
+        ptr.free()
+        assert driver().cuDeviceGet(ctypes.byref(device), 1) == 0
+        assert driver().cuDevicePrimaryCtxReset_v2(device) == 0
+        use_context(0)
+        held = driver().fake_cuda_used(0)
+        del ptr, side, pool
+        report(held=held, used=driver().fake_cuda_used(0), violations=violations())
+        """,
+        fake,
+        device_count=2,
+    )
+    assert result["held"] > 0 and result["used"] == 0, "the pool's device memory leaked at close"
+    assert result["violations"] == 0
+
+
+def test_a_stream_of_a_context_made_with_cu_ctx_create_is_refused(fake):
+    # Such a context cannot be retained, and one its creator destroys leaves handles the driver
+    # does not check: the import is refused with the way out instead.
+    result = fake_driver.run(
+        """
+        gpupool.device_count()
+        device, context, raw = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        assert driver().cuDeviceGet(ctypes.byref(device), 1) == 0
+        assert driver().cuCtxCreate_v2(ctypes.byref(context), 0, device) == 0
+        assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+        pool = gpupool.Pool("cuda:0")
+        try:
+            pool.external_stream(raw.value)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        pool.alloc(1 << 20).free()
+        report(error=error, retains=driver().fake_cuda_primary_retains(1), current=current_context() == context.value)
+        """,
+        fake,
+        device_count=2,
+    )
+    assert "cuCtxCreate" in result["error"] and "primary context" in result["error"]
+    assert result["retains"] == 0, "the retain taken to compare contexts was kept"
+    assert result["current"], "the caller's context was not restored"
+
+
 def test_every_thread_gets_the_context(fake):
     result = fake_driver.run(
         """

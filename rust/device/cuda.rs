@@ -43,8 +43,9 @@ struct RawStream {
     /// Created here (and destroyed here), as opposed to imported.
     owned: bool,
     /// The context the stream belongs to: ours, or, for a stream imported from another device
-    /// (PyTorch's `record_stream` takes any device's stream), that device's. Work on it is
-    /// ordered from its own context, and its events are made there.
+    /// (PyTorch's `record_stream` takes any device's stream), that device's primary context,
+    /// retained in `foreign_contexts`. Work on it is ordered from its own context, and its
+    /// events are made there.
     context: u64,
 }
 
@@ -79,11 +80,15 @@ pub struct Cuda {
     next_stream: StreamId,
     events: HashMap<EventId, RawEvent>,
     /// Destroyed events of our context kept for reuse: creating one costs a driver call,
-    /// recording none. Other contexts' events are destroyed at once: nothing here keeps those
-    /// contexts alive.
+    /// recording none. Other contexts' events are destroyed at once.
     spare_events: Vec<u64>,
     next_event: EventId,
     reservations: vmm::Reservations,
+    /// Other devices' primary contexts that imported streams belong to, retained once each by
+    /// handle: their owner (PyTorch, CuPy) may release them while the pool still holds events
+    /// recorded there, and a released context takes its events with it. Dropped after `drop`
+    /// has destroyed those events.
+    foreign_contexts: HashMap<u64, Context>,
 }
 
 /// `cuda` or `cuda:N` -> N; `None` when `spec` names another kind of device.
@@ -157,6 +162,7 @@ impl Cuda {
             spare_events: Vec::new(),
             next_event: 1,
             reservations: vmm::Reservations::default(),
+            foreign_contexts: HashMap::new(),
         })
     }
 
@@ -231,6 +237,23 @@ impl Cuda {
         let _current = driver::enter(raw.context)?;
         // SAFETY: an event of that context, destroyed once (the caller forgot it).
         check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(raw.handle as sys::CUevent) })
+    }
+
+    /// Retains `context`, an imported stream's, for the device's life when it is another device's
+    /// primary context. A context made with `cuCtxCreate` cannot be retained, and one its creator
+    /// destroys leaves dangling handles the driver does not check: such streams are refused at
+    /// import, with the way out, rather than crashing later. PyTorch, CuPy and Numba hand out
+    /// primary contexts' streams only.
+    fn keep_alive(&mut self, context: u64) -> Result<(), DeviceError> {
+        if context == self.context.raw() || self.foreign_contexts.contains_key(&context) {
+            return Ok(());
+        }
+        let primary = Context::retain_primary(context)?.ok_or(DeviceError::Unsupported(
+            "streams of a context made with cuCtxCreate, which gpupool cannot keep alive (use the device's primary \
+             context, as PyTorch, CuPy and Numba do)",
+        ))?;
+        self.foreign_contexts.insert(context, primary);
+        Ok(())
     }
 
     /// Whether the legacy stream (which counts while a blocking stream of the context captures)
@@ -443,7 +466,8 @@ impl Device for Cuda {
     /// Handle 0, the legacy default stream, is [`DEFAULT_STREAM`]; any other import gets an id
     /// of its own, which `destroy_stream` forgets without destroying the driver's stream. The
     /// driver says which context the stream belongs to (the other special handles, the legacy
-    /// and per-thread streams, are ours while ours is current).
+    /// and per-thread streams, are ours while ours is current); another device's is kept alive
+    /// ([`Cuda::keep_alive`]).
     fn import_stream(&mut self, handle: u64) -> Result<StreamId, DeviceError> {
         if handle == 0 {
             return Ok(DEFAULT_STREAM);
@@ -455,6 +479,7 @@ impl Device for Cuda {
             check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(handle as sys::CUstream, &mut context) })?;
             context as u64
         };
+        self.keep_alive(context)?;
         let id = super::take_stream_id(&mut self.next_stream)?;
         self.streams.insert(id, RawStream { handle, owned: false, context });
         Ok(id)
@@ -547,11 +572,13 @@ impl Drop for Cuda {
         if self.own_streams_capturing() || self.synchronize_context().is_err() {
             return;
         }
-        // Other devices' streams the pool still waits for, each from its own context.
+        // Other devices' streams the pool still waits for, each from its own context, which
+        // `foreign_contexts` keeps alive. One that cannot be entered all the same is gone, and its
+        // work with it: its event is skipped, and our own memory still goes back.
         let foreign: Vec<RawEvent> =
             self.events.values().filter(|e| e.context != self.context.raw()).copied().collect();
         for event in foreign {
-            let Ok(_current) = driver::enter(event.context) else { return };
+            let Ok(_current) = driver::enter(event.context) else { continue };
             // SAFETY: a live event of the current context, then destroyed once.
             if check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.handle as sys::CUevent) }).is_err() {
                 return;

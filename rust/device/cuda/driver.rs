@@ -25,6 +25,7 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
     "cuCtxSynchronize",
+    "cuCtxGetDevice",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemGetInfo_v2",
@@ -294,6 +295,31 @@ impl Context {
         Ok(Context { ordinal, device, raw: raw as u64 })
     }
 
+    /// Retains context `raw` when it is its device's primary context, which then outlives its
+    /// owner's release for as long as the value lives; `None` for a context made with
+    /// `cuCtxCreate`, which only its creator can keep alive. `raw` must be alive now: the context
+    /// of a stream the caller was just handed.
+    pub fn retain_primary(raw: u64) -> Result<Option<Self>, DeviceError> {
+        let info = probe()?;
+        let device = {
+            let _current = enter(raw)?;
+            let mut device = 0;
+            // SAFETY: `raw` is current; one device handle written.
+            check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut device) })?;
+            device
+        };
+        let ordinal = (0..info.device_count)
+            .find(|&ordinal| {
+                let mut handle = 0;
+                // SAFETY: the driver is initialized (probe) and `ordinal` is in range.
+                let code = unsafe { sys::cuDeviceGet(&mut handle, ordinal) };
+                is(code, CUresult::CUDA_SUCCESS) && handle == device
+            })
+            .ok_or_else(|| DeviceError::Driver(format!("context {raw:#x} is on a device the driver does not list")))?;
+        let primary = Context::retain(ordinal)?;
+        Ok((primary.raw == raw).then_some(primary))
+    }
+
     pub fn ordinal(&self) -> i32 {
         self.ordinal
     }
@@ -328,8 +354,8 @@ impl Context {
     }
 }
 
-/// Makes context `raw` current, as [`Context::enter`] does; the caller knows it is alive (ours,
-/// or the context of a stream the caller keeps alive).
+/// Makes context `raw` current, as [`Context::enter`] does; the caller knows it is alive (one a
+/// [`Context`] retains, or the context of a stream the caller was just handed).
 pub fn enter(raw: u64) -> Result<Entered, DeviceError> {
     refuse_forked()?;
     let mut previous = std::ptr::null_mut();
