@@ -286,3 +286,14 @@ def matched_in_order(recorded: list[tuple[str, int]], replayed: list[tuple[str, 
 
 def inert_keys(config: str) -> list[str]:
     """The keys of ``config`` accepted without effect on device memory; ValueError if invalid."""
+
+def first_block_rows(rows: list[tuple[str, int, int, int, float]]) -> list[int]:
+    """The index of each address's first ``alloc`` or ``free_completed`` row, in the order the
+    addresses first appear."""
+
+def live_at_peak(
+    rows: list[tuple[str, int, int, int, float]], start: list[tuple[int, int]]
+) -> list[tuple[int | None, int, int]]:
+    """The blocks live when the requested bytes live in ``rows`` first peaked, from the blocks
+    ``start`` ``(address, size)`` live before them, as ``(row, address, size)`` (``row`` None for
+    a start block), sorted by address."""

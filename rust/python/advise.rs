@@ -1,5 +1,6 @@
-//! `gpupool._native.replay_from_start` and `matched_in_order`: what `gpupool advise` needs
-//! beyond plain replays, to check a replay of the recorded settings against the recorded run.
+//! `gpupool._native.replay_from_start`, `matched_in_order` and the history walks: what
+//! `gpupool advise` needs beyond plain replays, to check a replay of the recorded settings
+//! against the recorded run and to find the allocation sites at the peak.
 
 use super::error::{pool_error, value_error};
 use super::replay::{PyReplayResult, TIMELINE_POINTS};
@@ -9,8 +10,10 @@ use crate::device::Sim;
 use crate::pool::{Config, Pool};
 use crate::trace::fidelity;
 use crate::trace::replay::Timeline;
+use crate::trace::rows::{self, BlockAction, Row};
 use crate::trace::start::{self, StartSegment};
 use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
 
 /// How close `gpupool advise`'s min-capacity searches get (a fraction of the answer): it calls
 /// savings below that share none (`gpupool._advice.advice.TOLERANCE`), so a finer search would
@@ -89,4 +92,39 @@ pub fn matched_in_order(
     max_edits: usize,
 ) -> Option<usize> {
     py.detach(|| fidelity::matched_in_order(&recorded, &replayed, max_edits))
+}
+
+/// Snapshot history rows `(action, address, size, stream, time_us)` as the walks read them.
+fn block_rows(rows: &Bound<'_, PyList>) -> PyResult<Vec<Row>> {
+    let mut read = Vec::with_capacity(rows.len());
+    for row in rows.iter() {
+        let row = row.cast::<PyTuple>()?;
+        let action = match row.get_borrowed_item(0)?.cast::<PyString>()?.to_str()? {
+            "alloc" => BlockAction::Alloc,
+            "free_completed" => BlockAction::FreeCompleted,
+            _ => BlockAction::None,
+        };
+        let (address, size) = match action {
+            BlockAction::None => (0, 0),
+            _ => (row.get_borrowed_item(1)?.extract()?, row.get_borrowed_item(2)?.extract()?),
+        };
+        read.push(Row { action, address, size });
+    }
+    Ok(read)
+}
+
+/// The index of each address's first alloc or completed free in `rows`, in the order the
+/// addresses first appear.
+#[pyfunction]
+pub fn first_block_rows(rows: &Bound<'_, PyList>) -> PyResult<Vec<usize>> {
+    Ok(rows::first_block_rows(&block_rows(rows)?))
+}
+
+/// The blocks live when the requested bytes live in `rows` first peaked, from the blocks
+/// `start` `(address, size)` live before them, as `(row, address, size)` (`row` None for a
+/// start block); see `rust/trace/rows.rs` for how they are counted.
+#[pyfunction]
+pub fn live_at_peak(rows: &Bound<'_, PyList>, start: Vec<(u64, u64)>) -> PyResult<Vec<(Option<usize>, u64, u64)>> {
+    let blocks = rows::live_at_peak(&block_rows(rows)?, &start);
+    Ok(blocks.into_iter().map(|b| (b.row, b.address, b.size)).collect())
 }

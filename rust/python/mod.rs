@@ -36,6 +36,8 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(advise::replay_from_start, m)?)?;
     m.add_function(wrap_pyfunction!(advise::matched_in_order, m)?)?;
     m.add_function(wrap_pyfunction!(advise::inert_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(advise::first_block_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(advise::live_at_peak, m)?)?;
     m.add_function(wrap_pyfunction!(pickle::load_pickle, m)?)?;
     cuda::register(m)?;
     #[cfg(feature = "cuda")]

@@ -9,6 +9,7 @@ pub mod csv;
 pub mod fidelity;
 pub mod pickle;
 pub mod replay;
+pub mod rows;
 pub mod start;
 
 use crate::pool::{History, HistoryAction};

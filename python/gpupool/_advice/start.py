@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpupool import _native
 from gpupool._advice.snapshot import SEGMENT_ACTIONS, SMALL_SEGMENT, Row, Segment
 
 
@@ -46,13 +47,10 @@ class StartState:
         return sum(s.size for s in self.segments)
 
 
-def _first_block_events(rows: Sequence[Row]) -> dict[int, Row]:
+def _first_block_events(rows: list[Row]) -> dict[int, Row]:
     """Per address, the first block event (alloc or completed free)."""
-    blocks: dict[int, Row] = {}
-    for row in rows:
-        if row[0] in ("alloc", "free_completed"):
-            blocks.setdefault(row[1], row)
-    return blocks
+    # Found natively: the walk over every row took half a second in Python on a million rows.
+    return {rows[index][1]: rows[index] for index in _native.first_block_rows(rows)}
 
 
 def _cut(mapped: list[StartSegment], address: int, size: int) -> list[StartSegment]:
@@ -102,7 +100,7 @@ def _segments_at_start(rows: Sequence[Row], final: Sequence[Segment]) -> list[St
     return sorted([*plain.values(), *mapped], key=lambda s: s.address)
 
 
-def starting_state(rows: Sequence[Row], final: Sequence[Segment]) -> StartState:
+def starting_state(rows: list[Row], final: Sequence[Segment]) -> StartState:
     """Undoes ``rows`` (one device's history, oldest first) against its ``final`` segments."""
     first_block = _first_block_events(rows)
     segments = _segments_at_start(rows, final)
