@@ -131,7 +131,7 @@ def _start_notes(record: DeviceRecord, state: start.StartState, scope: str) -> l
             f"{len(private)} segments ({held:.2f} GiB) belong to private pools (CUDA graphs); replays treat "
             "their free space as the default pool's, so they may reuse memory PyTorch kept for the graphs."
         )
-    failures = sum(1 for row in record.rows if row[0] == "oom")
+    failures = record.actions["oom"]
     if failures:
         notes.append(f"The recorded run hit {failures} out-of-memory errors; replays skip those requests as it did.")
     for action, count in sorted(record.skipped_actions.items()):
