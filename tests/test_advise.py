@@ -9,7 +9,7 @@ from advice_snapshots import SEGMENTS_ONLY, WITH_SEGMENT_EVENTS, shared_names, s
 import gpupool
 from gpupool import _native
 from gpupool import trace as gtrace
-from gpupool._advice import snapshot, start
+from gpupool._advice import sites, snapshot, start
 from gpupool._advice.table import report
 
 GiB = 1 << 30
@@ -81,6 +81,17 @@ def test_every_shared_snapshot_gets_advice_that_agrees_with_the_file(name):
             assert advice.as_run.peak_reserved_bytes == truth["reserved"]
         else:
             assert advice.scope == "history"
+
+
+@pytest.mark.parametrize("name", shared_names())
+def test_the_sites_at_the_peak_hold_the_peak_live_bytes(name):
+    # Every block live at the peak is some site's, those live before recording (and freed
+    # during it) included: the sites add up to the file's own peak.
+    figures = independent_figures(name)
+    for record in snapshot.read(shared_snapshot(name)).devices:
+        state = start.starting_state(record.rows, record.segments)
+        held = sites.at_peak(record.rows, record.frames, [(b.address, b.requested, ()) for b in state.blocks], 10**9)
+        assert sum(size for _, size in held) == figures[record.device]["peak_live"]
 
 
 def test_the_replay_of_the_recorded_settings_matches_the_recorded_run():

@@ -1,6 +1,6 @@
-"""The native walks over a snapshot history (``rust/trace/rows.rs``) against the plain Python
-walks they replaced, on random histories: reused and null addresses, frees of blocks live
-before recording and of addresses never allocated, rows of other actions."""
+"""The native walks over a snapshot history (``rust/trace/rows.rs``) against plain Python walks,
+on random histories: reused and null addresses, frees of blocks live before recording and of
+addresses never allocated, rows of other actions."""
 
 from __future__ import annotations
 
@@ -30,30 +30,23 @@ def first_block_rows(rows) -> list[int]:
 
 
 def live_at_peak(rows, start) -> list:
-    """The walk `sites.at_peak` made: the peak's count leaves out frees of start blocks."""
-    sizes: dict = {}
-    live = best = sum(size for size in dict(start).values())
-    peak = -1
+    """The live blocks, by address, the first time their sizes added up to the most."""
+    blocks = {address: (None, size) for address, size in start}
+    best, peak = dict(blocks), sum(size for _, size in blocks.values())
     for index, (action, address, size, _, _) in enumerate(rows):
         if action == "alloc":
-            sizes[address] = size
-            live += size
-            if live > best:
-                best, peak = live, index
-        elif action == "free_completed":
-            live -= sizes.pop(address, 0)
-    blocks = {address: (None, size) for address, size in start}
-    for index, (action, address, size, _, _) in enumerate(rows[: peak + 1]):
-        if action == "alloc":
             blocks[address] = (index, size)
+            live = sum(size for _, size in blocks.values())
+            if live > peak:
+                best, peak = dict(blocks), live
         elif action == "free_completed":
             blocks.pop(address, None)
-    return sorted(((row, address, size) for address, (row, size) in blocks.items()), key=lambda b: b[1])
+    return sorted(((row, address, size) for address, (row, size) in best.items()), key=lambda b: b[1])
 
 
 @settings(max_examples=300 * EXAMPLES_SCALE)
 @given(ROWS, START)
-def test_the_native_walks_find_what_the_python_ones_found(rows, start):
+def test_the_native_walks_match_a_plain_recount(rows, start):
     assert _native.first_block_rows(rows) == first_block_rows(rows)
     assert _native.live_at_peak(rows, start) == live_at_peak(rows, start)
 
@@ -61,4 +54,7 @@ def test_the_native_walks_find_what_the_python_ones_found(rows, start):
 def test_the_peak_is_where_the_count_first_reached_its_highest():
     rows = [("alloc", 0x100, 8, 0, 0.0), ("free_completed", 0x100, 8, 0, 0.0), ("alloc", 0x200, 8, 0, 0.0)]
     assert _native.live_at_peak(rows, []) == [(0, 0x100, 8)]
-    assert _native.live_at_peak(rows[1:], [(0x100, 8)]) == [(1, 0x200, 8)]
+    assert _native.live_at_peak(rows[1:], [(0x100, 8)]) == [(None, 0x100, 8)]
+    # A block live before recording, freed, counts no more: the peak is after the second alloc.
+    rows = [("free_completed", 0x100, 8, 0, 0.0), ("alloc", 0x200, 8, 0, 0.0), ("alloc", 0x300, 4, 0, 0.0)]
+    assert _native.live_at_peak(rows, [(0x100, 8)]) == [(1, 0x200, 8), (2, 0x300, 4)]

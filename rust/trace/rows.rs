@@ -43,26 +43,25 @@ pub fn first_block_rows(rows: &[Row]) -> Vec<usize> {
 /// blocks live before the first row as `(address, size)`.
 ///
 /// Blocks are kept by address: an alloc at a live address replaces the block there, a free of
-/// an address that is not live frees nothing. The count that finds the peak leaves out the
-/// frees of `start` blocks: `gpupool advise` has always found its peak that way (its report
-/// must not change with the speed-up), though the trace's own peak counts them.
+/// an address that is not live frees nothing, and the count is always what the live blocks add
+/// up to (a free of a `start` block lowers it too).
 pub fn live_at_peak(rows: &[Row], start: &[(u64, u64)]) -> Vec<LiveBlock> {
     let mut live: FxHashMap<u64, (Option<usize>, u64)> =
         start.iter().map(|&(address, size)| (address, (None, size))).collect();
+    let mut sizes: FxHashMap<u64, u64> = live.iter().map(|(&address, &(_, size))| (address, size)).collect();
     // In u128: a million sizes below 2**64 can add up past it.
-    let mut count: u128 = live.values().map(|&(_, size)| u128::from(size)).sum();
+    let mut count: u128 = sizes.values().map(|&size| u128::from(size)).sum();
     let (mut highest, mut peak_rows) = (count, 0);
-    let mut allocated: FxHashMap<u64, u64> = FxHashMap::default();
     for (index, r) in rows.iter().enumerate() {
         match r.action {
             BlockAction::Alloc => {
-                allocated.insert(r.address, r.size);
-                count += u128::from(r.size);
+                let replaced = sizes.insert(r.address, r.size).unwrap_or(0);
+                count = count - u128::from(replaced) + u128::from(r.size);
                 if count > highest {
                     (highest, peak_rows) = (count, index + 1);
                 }
             }
-            BlockAction::FreeCompleted => count -= u128::from(allocated.remove(&r.address).unwrap_or(0)),
+            BlockAction::FreeCompleted => count -= u128::from(sizes.remove(&r.address).unwrap_or(0)),
             BlockAction::None => {}
         }
     }
@@ -129,18 +128,23 @@ mod tests {
     }
 
     #[test]
-    fn frees_of_start_blocks_do_not_lower_the_count_that_finds_the_peak() {
-        // Counted: 100 at the start, still 100 after the start block's free, 160 after the
-        // alloc: the peak is found there, where only the new block is live (60 bytes).
+    fn a_free_of_a_start_block_lowers_the_count() {
+        // 100 at the start, 0 after its free, 60 after the alloc: the start is the peak.
         let rows = [row(FreeCompleted, 0x100, 100), row(Alloc, 0x200, 60)];
-        assert_eq!(live_at_peak(&rows, &[(0x100, 100)]), [block(Some(1), 0x200, 60)]);
+        assert_eq!(live_at_peak(&rows, &[(0x100, 100)]), [block(None, 0x100, 100)]);
+        // 100, 0, then 160 live: the peak is the end.
+        let rows = [row(FreeCompleted, 0x100, 100), row(Alloc, 0x200, 60), row(Alloc, 0x300, 100)];
+        assert_eq!(live_at_peak(&rows, &[(0x100, 100)]), [block(Some(1), 0x200, 60), block(Some(2), 0x300, 100)]);
     }
 
     #[test]
     fn blocks_are_kept_by_address() {
-        // A second alloc at a live address replaces the block there (and counts again); a free
-        // of an address that is not live frees nothing; null addresses count like any other.
+        // A second alloc at a live address replaces the block there (its count too); a free of
+        // an address that is not live frees nothing; null addresses count like any other.
         let rows = [row(Alloc, 0, 5), row(Alloc, 0, 7), row(FreeCompleted, 0x900, 1), row(Alloc, 0x10, 1)];
         assert_eq!(live_at_peak(&rows, &[]), [block(Some(1), 0, 7), block(Some(3), 0x10, 1)]);
+        // 9 bytes, then 2 where the 9 were: the first alloc alone is the peak.
+        let rows = [row(Alloc, 0x10, 9), row(Alloc, 0x10, 2), row(Alloc, 0x20, 3)];
+        assert_eq!(live_at_peak(&rows, &[]), [block(Some(0), 0x10, 9)]);
     }
 }
