@@ -236,6 +236,12 @@ class MisuseMachine(RuleBasedStateMachine):
         for e in self.entries:
             e.kernels = [k for k in e.kernels if k[0] != stream]
 
+    def copied_on(self, stream: int) -> None:
+        """A copy ran on ``stream``: on cuda it waited for the stream's queued work (the host
+        device copies at once, and a held stream stays held)."""
+        if self.cuda:
+            self.stream_idle(stream)
+
     def released(self, entry: Entry) -> None:
         """The last holder of a freed entry's bytes let go: it waits for busy use streams or is free."""
         self.entries.remove(entry)
@@ -291,7 +297,7 @@ class MisuseMachine(RuleBasedStateMachine):
             ptr.copy_from_host(data_bytes, size - len(data_bytes))
             self.entries[-1].write(0, data_bytes)
             self.entries[-1].write(size - len(data_bytes), data_bytes)
-            self.stream_idle(sid)  # a copy waits for its stream
+            self.copied_on(sid)
 
     def block_size(self, ptr) -> int:
         if ptr.size == 0:
@@ -483,7 +489,7 @@ class MisuseMachine(RuleBasedStateMachine):
             return
         assert not entry.freed and self.copies or not payload
         if payload:
-            self.stream_idle(entry.stream)
+            self.copied_on(entry.stream)
         entry.write(offset, payload)
 
     @precondition(lambda self: self.entries)
@@ -502,7 +508,7 @@ class MisuseMachine(RuleBasedStateMachine):
             return
         assert len(out) == length and not entry.freed
         if length:
-            self.stream_idle(entry.stream)
+            self.copied_on(entry.stream)
         for start, expected in entry.expected():
             lo, hi = max(start, offset), min(start + len(expected), offset + length)
             if lo < hi:
@@ -843,7 +849,7 @@ class MisuseMachine(RuleBasedStateMachine):
                 if n > 0:
                     assert read(start, n) == expected[:n], f"bytes of {entry.ptr!r} at {start} changed"
                     if not entry.freed:
-                        self.stream_idle(entry.stream)  # a copy waits for its stream
+                        self.copied_on(entry.stream)
 
     def teardown(self):
         log("teardown()")
