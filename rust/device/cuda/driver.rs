@@ -35,7 +35,6 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuStreamDestroy_v2",
     "cuStreamQuery",
     "cuStreamSynchronize",
-    "cuCtxSynchronize",
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
     "cuStreamGetCtx",
