@@ -126,12 +126,27 @@ class Export:
 
 @dataclass(eq=False)
 class Pending:
-    """A freed block still active until the streams in ``waits`` finish their work; after that
-    the pool frees it at its next poll (of which the model does not know the timing)."""
+    """A freed block still active until the streams in ``waits`` finish their work (and, while
+    ``CAPTURE`` is among them, until the capture that uses it ends); after that the pool frees
+    it at its next poll (of which the model does not know the timing). ``streams`` are its
+    owner and the streams it was used on."""
 
     address: int
     block: int
     waits: set[int]
+    streams: set[int]
+
+
+# In a pending block's waits: a capture that uses the block is underway.
+CAPTURE = -1
+
+
+@dataclass(eq=False)
+class Capture:
+    """A stream being captured into a CUDA graph, begun by the program through the driver."""
+
+    sid: int
+    stream: gpupool.Stream
 
 
 class FakeDriver:
@@ -146,6 +161,12 @@ class FakeDriver:
         lib.fake_cuda_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ubyte]
         lib.fake_cuda_complete.argtypes = [ctypes.c_void_p]
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+        lib.cuStreamBeginCapture_v2.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.cuStreamEndCapture.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuStreamIsCapturing.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.fake_cuda_used.restype = ctypes.c_ulonglong
+        lib.fake_cuda_mappings.restype = ctypes.c_ulonglong
         self.lib = lib
         assert gpupool.device_count() > 0  # initializes the driver
         # Scratch memory outside the pool, for kernels that only keep a stream busy.
@@ -156,9 +177,34 @@ class FakeDriver:
         assert lib.cuMemAlloc_v2(ctypes.byref(scratch), SCRATCH_SLOTS * 4096) == 0
         self.scratch = scratch.value
         self.seen = 0  # violations before the current program: a failing one is replayed
+        self.used = 0  # device memory in use before it (the scratch memory)
 
     def begin(self) -> None:
         self.seen = self.lib.fake_cuda_violations()
+        self.used = self.lib.fake_cuda_used(0)
+
+    def create_stream(self) -> int:
+        """A stream made by another framework, straight through the driver (non-blocking, as
+        PyTorch's and CuPy's side streams are)."""
+        handle = ctypes.c_void_p()
+        assert self.lib.cuStreamCreate(ctypes.byref(handle), 1) == 0
+        return handle.value
+
+    def destroy_stream(self, handle: int) -> None:
+        assert self.lib.cuStreamDestroy_v2(handle) == 0
+
+    def begin_capture(self, stream: gpupool.Stream, mode: int) -> None:
+        assert self.lib.cuStreamBeginCapture_v2(stream.handle, mode) == 0
+
+    def end_capture(self, stream: gpupool.Stream) -> int:
+        graph = ctypes.c_void_p()
+        return self.lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph))
+
+    def capture_status(self, stream: gpupool.Stream) -> int:
+        """0 none, 1 active, 2 invalidated."""
+        status = ctypes.c_int()
+        assert self.lib.cuStreamIsCapturing(stream.handle, ctypes.byref(status)) == 0
+        return status.value
 
     def launch(self, stream: gpupool.Stream, address: int, size: int, tag: int) -> None:
         assert self.lib.fake_cuda_launch(stream.handle, address, size, tag) == 0
@@ -170,11 +216,18 @@ class FakeDriver:
         count = self.lib.fake_cuda_violations() - self.seen
         assert count == 0, f"{count} driver-rule violations, the last: {self.lib.fake_cuda_last_violation().decode()}"
 
+    def check_released(self) -> None:
+        """After a pool closed: all its device memory went back to the driver."""
+        assert self.lib.fake_cuda_used(0) == self.used, "the pool's device memory leaked at close"
+        assert self.lib.fake_cuda_mappings() == 0, "mapped pages outlived the pool"
+
 
 FAKE: FakeDriver | None = None
 # Scratch pages, one per stream that holds one: kernels of two streams on the same bytes would
-# race (the fake rightly counts that), and at most five streams exist at once.
+# race (the fake rightly counts that), and at most six streams (the pool's, imported, or imported
+# and forgotten by the pool but not destroyed by their owner yet) exist at once.
 SCRATCH_SLOTS = 8
+STREAMS = 6
 
 
 class MisuseMachine(RuleBasedStateMachine):
@@ -185,8 +238,6 @@ class MisuseMachine(RuleBasedStateMachine):
         super().__init__()
         if LOG is not None:
             LOG.write_text(f"# {self.device} strategy:{self.strategy}\n")
-        self.pool = gpupool.Pool(self.device, capacity=CAPACITY[self.device], config=f"strategy:{self.strategy}")
-        self.other_pool = gpupool.Pool("sim", capacity=64 * MiB)
         self.host = self.device == "host"  # bytes the host can reach: arrays, buffers
         self.cuda = self.device == "cuda"
         self.copies = self.host or self.cuda
@@ -194,13 +245,27 @@ class MisuseMachine(RuleBasedStateMachine):
         if self.cuda and FAKE is None:
             FAKE = FakeDriver()
         if self.cuda:
-            FAKE.begin()
+            FAKE.begin()  # before the pool opens: some strategies allocate then
+        self.pool = gpupool.Pool(self.device, capacity=CAPACITY[self.device], config=f"strategy:{self.strategy}")
+        self.other_pool = gpupool.Pool("sim", capacity=64 * MiB)
         self.slots: dict[int, int] = {}  # scratch slot of each stream that held one
         self.entries: list[Entry] = []
         self.exports: list[Export] = []
         self.pending: list[Pending] = []
         self.streams: dict[int, gpupool.Stream] = {0: self.pool.default_stream}
         self.held: set[int] = set()
+        # Streams whose work a pool-wide wait during a capture may or may not have waited for
+        # (imported ones the pool may hold nothing for): a query tells.
+        self.unsure: set[int] = set()
+        # Streams imported from "another framework" (made through the driver), by id: handle.
+        self.imported: dict[int, int] = {}
+        # Imported streams a pointer was ever made or recorded on: the pool may hold blocks for
+        # them, and pointers order exports there.
+        self.touched: set[int] = set()
+        # Imported streams the pool forgot but their owner has not destroyed: handle -> the
+        # scratch slot its queued kernel may still use.
+        self.orphans: dict[int, int | None] = {}
+        self.capture: Capture | None = None
         self.dead_streams: list[gpupool.Stream] = []
         # Streams the program dropped while a pointer still held them (see destroy_stream).
         self.kept_by_pointers: list[gpupool.Stream] = []
@@ -222,19 +287,56 @@ class MisuseMachine(RuleBasedStateMachine):
         return [x for x in self.exports if x.entry is entry]
 
     def all_idle(self) -> None:
-        """Every stream finished its work (a device synchronize happened)."""
-        self.held.clear()
+        """Every stream finished its work (a device synchronize happened). During a capture the
+        pool waits instead for each stream it watches but the capturing one (README, CUDA),
+        and perhaps for the events its pending frees recorded on that one before the capture
+        (which is allowed): those frees and that stream's work may or may not be done."""
+        if self.capture is None:
+            self.held.clear()
+            self.unsure.clear()
+            for p in self.pending:
+                p.waits.clear()
+            for e in self.entries:
+                e.kernels.clear()
+            return
+        for sid in self.held | self.unsure:
+            watched = self.watched(sid) and not self.capturing(sid)
+            if watched:
+                self.stream_idle(sid)
+            elif watched is None or self.capturing(sid):
+                self.held.discard(sid)
+                self.unsure.add(sid)
         for p in self.pending:
-            p.waits.clear()
-        for e in self.entries:
-            e.kernels.clear()
+            p.waits.discard(self.capture.sid)
 
     def stream_idle(self, stream: int) -> None:
         self.held.discard(stream)
+        self.unsure.discard(stream)
         for p in self.pending:
             p.waits.discard(stream)
         for e in self.entries:
             e.kernels = [k for k in e.kernels if k[0] != stream]
+
+    def capturing(self, sid: int | None) -> bool:
+        return self.capture is not None and self.capture.sid == sid
+
+    def involved(self, sid: int) -> bool | None:
+        """Whether the pool holds an allocated or pending block made or used on ``sid`` (None:
+        perhaps, a freed block whose streams finished and that the pool may not have polled)."""
+        if any(e.block and (e.stream == sid or sid in e.uses) for e in self.entries):
+            return True
+        pending = [p for p in self.pending if sid in p.streams]
+        if any(p.waits for p in pending):
+            return True
+        return None if pending else False
+
+    def watched(self, sid: int) -> bool | None:
+        """Whether the pool waits for ``sid`` while another stream captures: the default stream,
+        its own streams, and imported ones it holds any block for (owned, even free, or used);
+        None where that is not known."""
+        if sid not in self.imported or self.involved(sid):
+            return True
+        return None if sid in self.touched else False
 
     def copied_on(self, stream: int) -> None:
         """A copy ran on ``stream``: on cuda it waited for the stream's queued work (the host
@@ -243,11 +345,15 @@ class MisuseMachine(RuleBasedStateMachine):
             self.stream_idle(stream)
 
     def released(self, entry: Entry) -> None:
-        """The last holder of a freed entry's bytes let go: it waits for busy use streams or is free."""
+        """The last holder of a freed entry's bytes let go: it waits for busy use streams or is
+        free; one whose stream or a stream it was used on captures waits for the capture's end."""
         self.entries.remove(entry)
+        streams = {entry.stream} | entry.uses
         waits = entry.uses & self.held
-        if waits:
-            self.pending.append(Pending(entry.address, entry.block, waits))
+        if self.capture is not None and self.capture.sid in streams:
+            waits.add(CAPTURE)
+        if waits and entry.block:
+            self.pending.append(Pending(entry.address, entry.block, waits, streams))
 
     def observe_synchronizations(self) -> None:
         """Returning memory to the device (`cudaFree` semantics) and the out-of-memory ladder
@@ -274,13 +380,21 @@ class MisuseMachine(RuleBasedStateMachine):
 
     @rule(size=GOOD_SIZES, data=st.data())
     def alloc(self, size, data):
-        sid, stream = self.stream_choice(data)
+        self.allocate(size, *self.stream_choice(data))
+
+    def allocate(self, size: int, sid: int, stream: gpupool.Stream) -> None:
         log(f"alloc({size}, stream={sid})")
+        if sid in self.imported:
+            self.touched.add(sid)  # its pointer, even an empty one, orders exports there
         try:
             ptr = self.pool.alloc(size, stream=stream)
         except gpupool.OutOfMemoryError as e:
             assert str(size) in str(e)
             return
+        except RuntimeError as e:
+            assert self.capturing(sid) and "captured into a CUDA graph" in str(e), e
+            return
+        assert not (self.capturing(sid) and size), "allocated on a capturing stream"
         assert ptr.size == size and not ptr.freed and ptr.exports == 0
         block = self.block_size(ptr)
         self.ledger.allocated(size)
@@ -417,6 +531,8 @@ class MisuseMachine(RuleBasedStateMachine):
         ptr = entry.ptr
         log(f"export({ptr!r}, {kind})")
         before = ptr.exports
+        # Ordering the consumer (the legacy stream) after a capturing producer is refused.
+        crosses = kind == "capsule" and not entry.freed and self.capturing(entry.stream)
         try:
             if kind == "asarray":
                 holder = np.asarray(ptr)
@@ -437,8 +553,11 @@ class MisuseMachine(RuleBasedStateMachine):
             return
         except (AttributeError, BufferError, TypeError, RuntimeError) as e:
             assert not self.host, e  # sim memory has no bytes, and NumPy reads no device memory
+            if kind == "capsule":
+                assert crosses and "captured into a CUDA graph" in str(e), e
             assert ptr.exports == before, "a failed export left its pin"
             return
+        assert not crosses, "a capsule ordered the legacy stream after a capture"
         assert not entry.freed, "a freed pointer made a new export"
         assert ptr.exports == before + 1
         if array is not None and not array.flags.writeable:
@@ -476,18 +595,23 @@ class MisuseMachine(RuleBasedStateMachine):
         size = entry.size
         offset = data.draw(st.one_of(st.integers(0, size + 16), st.integers(-(2**65), 2**65)))
         payload = bytes(data.draw(st.binary(max_size=1024)))
-        self.wait_for_kernels(entry, offset, offset + len(payload))
+        if not self.wait_for_kernels(entry, offset, offset + len(payload)):
+            return
         log(f"copy_in({entry.ptr!r}, offset={offset}, len={len(payload)})")
+        # A copy waits for its stream, which a capture forbids.
+        refused = not entry.freed and self.capturing(entry.stream)
         try:
             entry.ptr.copy_from_host(payload, offset)
         except ValueError as e:
             fits = 0 <= offset and offset + len(payload) <= size
-            assert entry.freed or not fits or (payload and not self.copies), e
+            captured = refused and "captured into a CUDA graph" in str(e)
+            assert entry.freed or not fits or (payload and not self.copies) or captured, e
             return
         except (OverflowError, TypeError):
             assert offset < 0 or offset > 2**64
             return
         assert not entry.freed and self.copies or not payload
+        assert not (refused and payload), "copied into an allocation of a capturing stream"
         if payload:
             self.copied_on(entry.stream)
         entry.write(offset, payload)
@@ -499,14 +623,18 @@ class MisuseMachine(RuleBasedStateMachine):
         size = entry.size
         offset = data.draw(st.integers(0, size + 16))
         length = data.draw(st.integers(0, size + 16))
-        self.wait_for_kernels(entry, offset, offset + length)
+        if not self.wait_for_kernels(entry, offset, offset + length):
+            return
         log(f"copy_out({entry.ptr!r}, offset={offset}, size={length})")
+        refused = not entry.freed and self.capturing(entry.stream)
         try:
             out = entry.ptr.copy_to_host(offset, length)
         except ValueError as e:
-            assert entry.freed or offset + length > size or (length and not self.copies), e
+            captured = refused and "captured into a CUDA graph" in str(e)
+            assert entry.freed or offset + length > size or (length and not self.copies) or captured, e
             return
         assert len(out) == length and not entry.freed
+        assert not (refused and length), "copied out of an allocation of a capturing stream"
         if length:
             self.copied_on(entry.stream)
         for start, expected in entry.expected():
@@ -516,6 +644,9 @@ class MisuseMachine(RuleBasedStateMachine):
                 assert read == wrote, "copy_to_host read other bytes"
 
     # ----- streams -----------------------------------------------------------------------------
+
+    def room_for_a_stream(self) -> bool:
+        return len(self.streams) + len(self.orphans) < STREAMS
 
     def new_stream(self):
         stream = self.pool.stream()
@@ -533,29 +664,45 @@ class MisuseMachine(RuleBasedStateMachine):
             users = [e for e in self.live() if e.size and (e.stream == sid or sid in e.uses)]
             if users and data.draw(st.booleans()):
                 self.kernel(data, sid, stream, pick(data, users))
-            else:
-                if sid not in self.slots:
-                    taken = {self.slots[s] for s in self.streams if s in self.slots}
-                    self.slots[sid] = min(set(range(SCRATCH_SLOTS)) - taken)
-                log(f"kernel({sid}, scratch slot {self.slots[sid]})")
-                FAKE.launch(stream, FAKE.scratch + self.slots[sid] * 4096, 4096, 0)
+                return
+            if sid not in self.slots:
+                alive = {*self.streams, *(s.id for s in self.kept_by_pointers)}
+                taken = {self.slots[s] for s in alive if s in self.slots} | set(self.orphans.values())
+                self.slots[sid] = min(set(range(SCRATCH_SLOTS)) - taken)
+            log(f"kernel({sid}, scratch slot {self.slots[sid]})")
+            FAKE.launch(stream, FAKE.scratch + self.slots[sid] * 4096, 4096, 0)
+            if self.capturing(sid):
+                return  # captured into the graph: it never runs here
         self.held.add(sid)
+        self.unsure.discard(sid)
 
-    def wait_for_kernels(self, entry: Entry, start: int, end: int, stream: int | None = None) -> None:
+    def wait_for_kernels(self, entry: Entry, start: int, end: int, stream: int | None = None) -> bool:
         """What a correct program does before it touches bytes on ``stream`` (the owner's by
-        default) that another stream's queued kernel writes: it waits for that stream."""
-        if not entry.freed:
-            for sid in sorted(entry.racing(start, end, entry.stream if stream is None else stream)):
-                log(f"synchronize_stream({sid})")
-                self.streams[sid].synchronize()
-                self.stream_idle(sid)
+        default) that another stream's queued kernel writes: it waits for that stream. A
+        capturing stream cannot be waited for: then the program does not touch them (False)."""
+        if entry.freed:
+            return True
+        racing = sorted(entry.racing(start, end, entry.stream if stream is None else stream))
+        if any(self.capturing(sid) for sid in racing):
+            log("(skipped: a capturing stream's kernel uses those bytes)")
+            return False
+        for sid in racing:
+            log(f"synchronize_stream({sid})")
+            self.streams[sid].synchronize()
+            self.stream_idle(sid)
+        return True
 
     def kernel(self, data, sid: int, stream: gpupool.Stream, entry: Entry) -> None:
         """Queues a kernel on ``stream`` that writes into ``entry`` once it runs."""
         start = data.draw(st.integers(0, entry.size - 1))
         end = data.draw(st.integers(start + 1, entry.size))
         tag = data.draw(st.integers(0, 255))
-        self.wait_for_kernels(entry, start, end, sid)
+        if self.capturing(sid):
+            log(f"kernel({sid}, {entry.ptr!r}, {start}:{end}, tag={tag}) captured")
+            FAKE.launch(stream, entry.address + start, end - start, tag)
+            return  # into the graph: it never runs here
+        if not self.wait_for_kernels(entry, start, end, sid):
+            return
         log(f"kernel({sid}, {entry.ptr!r}, {start}:{end}, tag={tag})")
         FAKE.launch(stream, entry.address + start, end - start, tag)
         if sid == entry.stream:
@@ -564,6 +711,7 @@ class MisuseMachine(RuleBasedStateMachine):
             entry.forget(start, end)  # unknown until that stream is waited for
         entry.kernels.append((sid, start, end))
         self.held.add(sid)
+        self.unsure.discard(sid)
 
     @precondition(lambda self: self.cuda and any(e.size for e in self.live()))
     @rule(data=st.data(), then_free=st.booleans())
@@ -578,6 +726,8 @@ class MisuseMachine(RuleBasedStateMachine):
         entry.ptr.record_stream(stream)
         if sid != entry.stream:
             entry.uses.add(sid)
+        if sid in self.imported:
+            self.touched.add(sid)
         self.kernel(data, sid, stream, entry)
         if then_free:
             self.free_entry(entry, "method", bool(self.exports_of(entry)))
@@ -585,30 +735,63 @@ class MisuseMachine(RuleBasedStateMachine):
     def query(self, data):
         sid, stream = self.stream_choice(data)
         log(f"query({sid})")
-        assert stream.query() == (sid not in self.held)
+        if self.refused_during_capture(sid, stream.query):
+            return
+        idle = stream.query()
+        if sid in self.unsure:
+            self.unsure.discard(sid)
+            if idle:
+                self.stream_idle(sid)
+            else:
+                self.held.add(sid)
+            return
+        assert idle == (sid not in self.held)
 
     def synchronize_stream(self, data):
         sid, stream = self.stream_choice(data)
         log(f"synchronize_stream({sid})")
+        if self.refused_during_capture(sid, stream.synchronize):
+            return
         stream.synchronize()
         self.stream_idle(sid)
 
+    def refused_during_capture(self, sid: int, call) -> bool:
+        """Whether ``sid`` captures, and ``call`` (a query, wait or destroy) was refused."""
+        if not self.capturing(sid):
+            return False
+        try:
+            call()
+        except RuntimeError as e:
+            assert "cannot be queried, waited for or destroyed" in str(e), e
+            return True
+        raise AssertionError(f"{call.__name__} of a capturing stream was not refused")
+
     def destroy_stream(self, data, drop):
-        sid = pick(data, [s for s in self.streams if s != 0])
-        stream = self.streams.pop(sid)
+        # The program needs a capturing stream to end its capture: it destroys it only on purpose.
+        choices = [s for s in self.streams if s != 0 and not (drop and self.capturing(s))]
+        if not choices:
+            return
+        sid = pick(data, choices)
         log(f"destroy_stream({sid}, drop={drop})")
+        if not drop:
+            destroy = self.streams[sid].destroy
+            if self.external_destroy_refused(sid) or self.refused_during_capture(sid, destroy):
+                return
+        stream = self.streams.pop(sid)
         if drop:
             if any(entry.stream == sid or sid in entry.uses for entry in self.entries):
                 # A pointer keeps the streams it was made or recorded on alive, so dropping the
                 # program's reference destroys nothing: the stream keeps its queued work until a
                 # synchronize. (The model keeps the object too, so that it is destroyed no
-                # earlier than the teardown, whichever pointer goes last.)
+                # earlier than the teardown, whichever pointer goes last; an imported stream's
+                # owner destroys it after that.)
                 self.kept_by_pointers.append(stream)
                 return
             del stream
             gc.collect()
         else:
-            stream.destroy()
+            if sid not in self.imported:
+                stream.destroy()
             self.dead_streams = [*self.dead_streams[-2:], stream]
             try:
                 stream.destroy()
@@ -623,7 +806,27 @@ class MisuseMachine(RuleBasedStateMachine):
                 if entry.stream == sid:
                     entry.stream = 0
                     entry.uses.discard(0)
+        if sid in self.imported:
+            # Only forgotten: its owner destroys it when it likes, its queued work still running.
+            self.orphans[self.imported.pop(sid)] = self.slots.pop(sid, None)
+            self.touched.discard(sid)
         self.stream_idle(sid)
+
+    def external_destroy_refused(self, sid: int) -> bool:
+        """``destroy()`` of an imported stream (which is then done, if not refused): refused
+        while allocations are made or used on it (README: its owner may still queue work there
+        that the default stream would not see), pending frees included (the error says to let
+        them complete)."""
+        if sid not in self.imported:
+            return False
+        holds = self.involved(sid)
+        try:
+            self.streams[sid].destroy()
+        except ValueError as e:
+            assert holds is not False and "still has allocations" in str(e), e
+            return True
+        assert holds is not True, "an imported stream was forgotten under its allocations"
+        return False
 
     def destroy_default_stream(self):
         log("destroy_default_stream()")
@@ -647,12 +850,16 @@ class MisuseMachine(RuleBasedStateMachine):
         assert not entry.freed and sid is not None
         if sid != entry.stream and entry.ptr.size:
             entry.uses.add(sid)
+        if sid in self.imported:
+            self.touched.add(sid)
 
     def synchronize(self):
         log("synchronize()")
         self.pool.synchronize()
         self.all_idle()
-        assert all(s.query() for s in self.streams.values())
+        for sid, stream in self.streams.items():
+            if not self.capturing(sid) and sid not in self.unsure:
+                assert stream.query() == (sid not in self.held), f"stream {sid} after a synchronize"
 
     def empty_cache(self):
         log("empty_cache()")
@@ -781,7 +988,7 @@ class MisuseMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), op=st.sampled_from(["new", "hold", "query", "synchronize", "destroy"]))
     def stream_op(self, data, op):
-        if op == "new" and len(self.streams) < 5:
+        if op == "new" and self.room_for_a_stream():
             self.new_stream()
         elif op == "hold":
             self.hold(data)
@@ -800,16 +1007,106 @@ class MisuseMachine(RuleBasedStateMachine):
     def history_op(self, data, op):
         self.history(data, op)
 
+    # ----- streams of other frameworks, and graph captures (cuda) ------------------------------
+
+    @precondition(lambda self: self.cuda)
+    @rule(data=st.data(), op=st.sampled_from(["import", "owner_destroys"]))
+    def foreign_stream(self, data, op):
+        """Another framework's streams: made through the driver, imported with
+        ``external_stream``, used like the pool's own, forgotten by the pool (``destroy()`` or
+        the last reference), and destroyed by their owner once the pool forgot them, or
+        before, where the pool keeps nothing for them (see ``owner_destroys``)."""
+        if op == "import" and self.room_for_a_stream():
+            handle = FAKE.create_stream()
+            stream = self.pool.external_stream(handle)
+            log(f"external_stream(cuStreamCreate()) -> {stream.id}")
+            self.streams[stream.id] = stream
+            self.imported[stream.id] = handle
+        elif op == "owner_destroys":
+            self.owner_destroys(data)
+
+    def owner_destroys(self, data):
+        """``cuStreamDestroy`` by the owner of a stream the pool forgot, or (rust/pool/streams.rs:
+        "its owner may have destroyed it already") of one it still knows but keeps nothing for:
+        no block was ever made or recorded on it. Then the pool must never touch the handle
+        again (the fake counts any use), and its ``Stream`` still goes: destroyed or dropped."""
+        untouched = [s for s in self.imported if s in self.streams and s not in self.touched and not self.capturing(s)]
+        choices = [("orphan", h) for h in self.orphans] + [("imported", s) for s in untouched]
+        if not choices:
+            return
+        kind, key = pick(data, choices)
+        if kind == "orphan":
+            log("cuStreamDestroy(a stream the pool forgot)")
+            FAKE.destroy_stream(key)
+            del self.orphans[key]
+            return
+        log(f"cuStreamDestroy({key}) behind the pool's back")
+        FAKE.destroy_stream(self.imported.pop(key))
+        stream = self.streams.pop(key)
+        self.slots.pop(key, None)
+        self.stream_idle(key)  # its queued work still ran
+        if data.draw(st.booleans()):
+            log(f"destroy_stream({key})")
+            stream.destroy()
+            self.dead_streams = [*self.dead_streams[-2:], stream]
+        else:
+            log(f"drop_stream({key})")
+            del stream
+            gc.collect()
+
+    @precondition(lambda self: self.cuda)
+    @rule(data=st.data(), mode=st.sampled_from([0, 1, 2]))
+    def capture(self, data, mode):
+        """Begins a capture (global, thread-local or relaxed mode) on a stream of the pool's or
+        an imported one the pool holds a live block for (README: a capture on an imported
+        stream the pool holds nothing for is not seen), or ends the one underway: the pool must
+        not have invalidated it."""
+        if self.capture is not None:
+            self.end_capture()
+            return
+        if len(self.streams) == 1 and self.room_for_a_stream():
+            if data.draw(st.booleans()):
+                self.foreign_stream(data, "import")
+            else:
+                self.new_stream()
+        sid = pick(data, sorted(self.streams))
+        if sid == 0:
+            return  # the legacy stream cannot be captured
+
+        def seen() -> bool:
+            return any(e.size and (e.stream == sid or sid in e.uses) for e in self.live())
+
+        if sid in self.imported and not seen():
+            # The graph's buffers, allocated before the capture (the pool then sees it).
+            self.allocate(data.draw(st.integers(1, 4096)), sid, self.streams[sid])
+            if not seen():
+                return
+        log(f"cuStreamBeginCapture({sid}, mode={mode})")
+        FAKE.begin_capture(self.streams[sid], mode)
+        self.capture = Capture(sid, self.streams[sid])
+
+    def end_capture(self):
+        log(f"cuStreamEndCapture({self.capture.sid})")
+        assert FAKE.end_capture(self.capture.stream) == 0, "the capture was invalidated"
+        self.capture = None
+        # The frees held for it are done at the pool's next poll, after their streams' work.
+        for p in self.pending:
+            p.waits.discard(CAPTURE)
+
     # ----- invariants --------------------------------------------------------------------------
 
     @invariant()
     def consistent(self):
+        if self.capture is not None:
+            assert FAKE.capture_status(self.capture.stream) == 1, "the capture was invalidated"
         self.observe_synchronizations()
         segments = self.pool.snapshot()["segments"]
         blocks = [b for segment in segments for b in segment["blocks"]]
         pending_now = {b["address"]: b["size"] for b in blocks if b["state"] == "active_pending_free"}
         held = {e.address for e in self.entries if e.freed and e.block}
         assert held <= set(pending_now), "freed bytes an export still holds went back to the pool"
+        captured = {p.address for p in self.pending if CAPTURE in p.waits}
+        assert captured <= set(pending_now), "a block freed during a capture that uses it is not pending"
         waiting = {p.address for p in self.pending if p.waits}
         assert waiting <= set(pending_now), "a block went back while a stream may still use it"
         # Blocks whose streams finished go back at the pool's next poll; those that did are gone.
@@ -833,7 +1130,7 @@ class MisuseMachine(RuleBasedStateMachine):
         """Every remembered write still reads back: from the pointer, or for a freed entry
         through its exports (nothing else may reach a freed block's bytes)."""
         for entry in self.entries:
-            if not entry.writes:
+            if not entry.writes or (not entry.freed and self.capturing(entry.stream)):
                 continue
             if entry.freed:
                 arrays = [x.array for x in self.exports_of(entry) if x.array is not None]
@@ -853,6 +1150,8 @@ class MisuseMachine(RuleBasedStateMachine):
 
     def teardown(self):
         log("teardown()")
+        if self.capture is not None:
+            self.end_capture()
         self.exports.clear()
         for entry in self.live():
             entry.ptr.free()
@@ -869,6 +1168,10 @@ class MisuseMachine(RuleBasedStateMachine):
             self.freed_ptrs, self.kept_by_pointers, self.dead_streams, self.streams = [], [], [], {}
             self.pool = None  # type: ignore[assignment]
             gc.collect()
+            FAKE.check_released()
+            # The pool forgot its imported streams without destroying them: their owner does.
+            for handle in [*self.imported.values(), *self.orphans]:
+                FAKE.destroy_stream(handle)
             FAKE.check()
 
 
