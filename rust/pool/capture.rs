@@ -3,8 +3,9 @@
 //! invalidates the capture, and a graph's replays write to the addresses it captured long after
 //! the pool saw them freed. So the pool refuses to allocate on a capturing stream (with a clear
 //! error, [`PoolError::Capturing`]), never records fences on one, and holds a block freed while
-//! one of its streams captures (neither reused nor returned to the device) until that capture
-//! ends, as PyTorch does with frees during capture. While a stream captures, no memory goes
+//! one of its streams captures (freed for its user, so no longer allocated, but active: neither
+//! reused nor returned to the device) until that capture ends, as PyTorch does with frees
+//! during capture. While a stream captures, no memory goes
 //! back to the device either (a release may synchronize, which a capture forbids), the device
 //! is waited for stream by stream, and copies to or from an allocation whose stream captures
 //! are refused. While any stream captures, no memory goes
@@ -93,7 +94,14 @@ impl<D: Device> Pool<D> {
     /// Whether the allocation's stream, or a stream recorded as using it, is capturing.
     pub(super) fn used_by_capture(&mut self, handle: Handle) -> Result<bool, PoolError> {
         let block = self.heap.block(handle)?;
-        let (owner, mut uses) = (block.stream, block.uses & !(1 << USE_OVERFLOW_BIT));
+        let (owner, uses) = (block.stream, block.uses);
+        self.capturing_among(owner, uses)
+    }
+
+    /// Whether `owner`, or a stream of the use mask `uses`, is capturing; an error where the
+    /// device cannot tell for the owner.
+    fn capturing_among(&mut self, owner: StreamId, uses: u32) -> Result<bool, PoolError> {
+        let mut uses = uses & !(1 << USE_OVERFLOW_BIT);
         if self.device.is_capturing(owner)? {
             return Ok(true);
         }
@@ -116,16 +124,30 @@ impl<D: Device> Pool<D> {
         }
         let mut cached = false;
         let mut held = std::mem::take(&mut self.held_for_capture).into_iter();
-        while let Some(handle) = held.next() {
-            match self.free_to_cache(handle) {
-                Ok(segment) => cached |= segment.is_some(),
-                // No longer a live allocation (freed again, for an export, while the capture
-                // ran): nothing is left to free, and held it would fail every settle after.
-                Err(PoolError::Heap(_)) => {}
+        while let Some(block) = held.next() {
+            let id = block.id();
+            let (owner, uses, segment) = {
+                let b = self.heap.block_at(id);
+                (b.stream, b.uses, b.segment)
+            };
+            // As `free` would have done: its other streams' uses wait for events recorded now.
+            let waits = match self.capturing_among(owner, uses) {
+                Ok(true) => {
+                    self.held_for_capture.push(block);
+                    continue;
+                }
+                Ok(false) => self.deferred.record_waits(&mut self.device, id, uses).map_err(PoolError::from),
+                Err(e) => Err(e),
+            };
+            match waits {
+                Ok(waits) => {
+                    self.held -= 1;
+                    cached |= self.wait_or_cache(id, segment, waits).is_some();
+                }
                 Err(e) => {
-                    // A failed free changed nothing: it and those after it stay held for a retry,
-                    // rather than live forever with no one to free them.
-                    self.held_for_capture.push(handle);
+                    // Nothing changed: it and those after it stay held for a retry, rather than
+                    // pending forever with no one to complete them.
+                    self.held_for_capture.push(block);
                     self.held_for_capture.extend(held);
                     return Err(e);
                 }
@@ -134,7 +156,7 @@ impl<D: Device> Pool<D> {
         Ok(cached)
     }
 
-    /// Allocations freed during a capture and still held for it.
+    /// Blocks freed during a capture and still held for it.
     pub fn held_for_capture(&self) -> usize {
         self.held_for_capture.len()
     }

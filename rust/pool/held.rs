@@ -1,5 +1,5 @@
 //! Held frees: blocks their users freed while exports of their bytes (array views, DLPack
-//! capsules) are still alive.
+//! capsules) are still alive, or while a stream they use is captured into a CUDA graph.
 //!
 //! Such a free ends the allocation at once (the block stops counting as allocated, a second free
 //! is a double free) but keeps the bytes where they are: the block stays pending, active and
@@ -17,6 +17,13 @@ use crate::device::{Device, StreamId};
 #[must_use = "a held block stays pending until released"]
 pub struct HeldBlock {
     id: u32,
+}
+
+impl HeldBlock {
+    /// The heap's id of the block.
+    pub(super) fn id(&self) -> u32 {
+        self.id
+    }
 }
 
 impl<D: Device> Pool<D> {
@@ -87,7 +94,8 @@ impl<D: Device> Pool<D> {
         self.heap.block_at(block.id).stream
     }
 
-    /// How many freed blocks are held for their exports, or until the next synchronize.
+    /// How many freed blocks are held for their exports, for a capture, or until the next
+    /// synchronize.
     pub fn held_blocks(&self) -> usize {
         self.held
     }

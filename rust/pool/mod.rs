@@ -27,8 +27,7 @@ pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
 
 use crate::core::{
-    BlockState, Handle, Heap, HeapError, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats,
-    NIL, SHARED,
+    BlockState, Handle, Heap, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, NIL, SHARED,
 };
 use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
@@ -58,12 +57,13 @@ pub struct Pool<D: Device> {
     expandable: Option<Expandable>,
     /// Segment sizing state and the memory limit.
     growth: Growth,
-    /// Freed blocks kept pending for their exports (see `held.rs`).
+    /// Freed blocks kept pending for their exports or a capture (see `held.rs`).
     held: usize,
     /// Held blocks whose release the device refused: the next synchronize releases them.
     unreleased: Vec<HeldBlock>,
-    /// Allocations freed while a stream they use was being captured into a CUDA graph.
-    held_for_capture: Vec<Handle>,
+    /// Blocks freed while a stream they use was being captured into a CUDA graph: held (see
+    /// `held.rs`) until that capture ends.
+    held_for_capture: Vec<HeldBlock>,
     /// Whether the device's streams can be captured: only then must the hot path ask.
     captures_graphs: bool,
     /// The run of same-size allocations so far (gpupool's pager sends long runs' blocks of at
@@ -554,11 +554,10 @@ impl<D: Device> Pool<D> {
     #[inline(always)]
     fn free_to_cache(&mut self, handle: Handle) -> Result<Option<SegmentId>, PoolError> {
         if self.captures_graphs && self.used_by_capture(handle)? {
-            // Still live in the heap until the capture ends: a second free is caught here.
-            if self.held_for_capture.contains(&handle) {
-                return Err(HeapError::NotAllocated.into());
-            }
-            self.held_for_capture.push(handle);
+            // Freed for its user now, as PyTorch does (no longer allocated, a second free is a
+            // double free), but held, neither reused nor given back, until the capture ends.
+            let block = self.free_held(handle)?;
+            self.held_for_capture.push(block);
             return Ok(None);
         }
         // A peek: `release` validates the handle (and a stale one's new occupant has uses or not).
