@@ -527,7 +527,9 @@ class MisuseMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.entries)
     @rule(data=st.data(), kind=st.sampled_from(["asarray", "view", "from_dlpack", "capsule"]))
     def export(self, data, kind):
-        entry = pick(data, self.entries)
+        self.export_entry(data, pick(data, self.entries), kind)
+
+    def export_entry(self, data, entry: Entry, kind: str) -> None:
         ptr = entry.ptr
         log(f"export({ptr!r}, {kind})")
         before = ptr.exports
@@ -721,7 +723,9 @@ class MisuseMachine(RuleBasedStateMachine):
         entry = pick(data, [e for e in self.live() if e.size])
         if len(self.streams) == 1:
             self.new_stream()  # a side stream to use it on
-        sid, stream = self.stream_choice(data)
+        self.use_on(data, entry, *self.stream_choice(data), then_free)
+
+    def use_on(self, data, entry: Entry, sid: int, stream: gpupool.Stream, then_free: bool) -> None:
         log(f"record_stream({entry.ptr!r}, {sid})")
         entry.ptr.record_stream(stream)
         if sid != entry.stream:
@@ -1055,14 +1059,21 @@ class MisuseMachine(RuleBasedStateMachine):
             gc.collect()
 
     @precondition(lambda self: self.cuda)
-    @rule(data=st.data(), mode=st.sampled_from([0, 1, 2]))
-    def capture(self, data, mode):
+    @rule(
+        data=st.data(),
+        mode=st.sampled_from([0, 1, 2]),
+        op=st.sampled_from(["end", "alloc", "copy", "query", "synchronize", "destroy", "use", "export"]),
+    )
+    def capture(self, data, mode, op):
         """Begins a capture (global, thread-local or relaxed mode) on a stream of the pool's or
         an imported one the pool holds a live block for (README: a capture on an imported
-        stream the pool holds nothing for is not seen), or ends the one underway: the pool must
-        not have invalidated it."""
+        stream the pool holds nothing for is not seen); or, while it runs, does ``op`` to the
+        capturing stream, ending it at last: the pool must not have invalidated it."""
         if self.capture is not None:
-            self.end_capture()
+            if op == "end":
+                self.end_capture()
+            else:
+                self.during_capture(data, op)
             return
         if len(self.streams) == 1 and self.room_for_a_stream():
             if data.draw(st.booleans()):
@@ -1084,6 +1095,34 @@ class MisuseMachine(RuleBasedStateMachine):
         log(f"cuStreamBeginCapture({sid}, mode={mode})")
         FAKE.begin_capture(self.streams[sid], mode)
         self.capture = Capture(sid, self.streams[sid])
+
+    def during_capture(self, data, op: str) -> None:
+        """What a program does to the capturing stream, right or wrong, while it captures."""
+        sid, stream = self.capture.sid, self.capture.stream
+        own = [e for e in self.live() if e.size and e.stream == sid]
+        if op == "alloc":
+            self.allocate(data.draw(st.integers(0, 4096)), sid, stream)
+        elif op == "copy" and own:
+            entry = pick(data, own)
+            log(f"copy_out({entry.ptr!r}) during its stream's capture")
+            try:
+                entry.ptr.copy_to_host(0, 1) if data.draw(st.booleans()) else entry.ptr.copy_from_host(b"x")
+            except ValueError as e:
+                assert "captured into a CUDA graph" in str(e), e
+            else:
+                raise AssertionError("copied an allocation of a capturing stream")
+        elif op in ("query", "synchronize"):
+            log(f"{op}({sid}) during its capture")
+            assert self.refused_during_capture(sid, getattr(stream, op))
+        elif op == "destroy":
+            log(f"destroy_stream({sid}) during its capture")
+            assert self.external_destroy_refused(sid) or self.refused_during_capture(sid, stream.destroy)
+        elif op == "use" and self.live():
+            entry = pick(data, [e for e in self.live() if e.size] or [None])
+            if entry is not None:
+                self.use_on(data, entry, sid, stream, data.draw(st.booleans()))
+        elif op == "export" and own:
+            self.export_entry(data, pick(data, own), "capsule")
 
     def end_capture(self):
         log(f"cuStreamEndCapture({self.capture.sid})")
