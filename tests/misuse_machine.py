@@ -9,7 +9,9 @@ test failure rather than the end of the run; by hand:
 (device, strategy, examples, steps per example, step log). The ``cuda`` device runs on the fake
 driver (tests/fake_cuda, found through LD_LIBRARY_PATH): there a held stream runs a kernel, on
 scratch memory or over a live allocation, every new block is first touched by a kernel on its
-stream, and any breach of the driver's rules the fake counts fails the run. Each step is appended to the log
+stream, streams made through the driver are imported and later destroyed by their owner, graph
+captures begin and end on the pool's and imported streams, and any breach of the driver's rules
+the fake counts (or an invalidated capture) fails the run. Each step is appended to the log
 before it runs (the log restarts with each example), so after a crash it holds the steps that
 led there. Failures are not shrunk unless ``GPUPOOL_MISUSE_SHRINK=1`` is set (shrinking a stateful
 failure can take Hypothesis five minutes); a child that hangs has its threads' stacks dumped
