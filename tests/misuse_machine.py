@@ -354,7 +354,9 @@ class MisuseMachine(RuleBasedStateMachine):
         waits = entry.uses & self.held
         if self.capture is not None and self.capture.sid in streams:
             waits.add(CAPTURE)
-        if waits and entry.block:
+        # One used on a stream that may still be busy may wait for it too (with no waits, a
+        # pending block may go at any poll).
+        if (waits or entry.uses & self.unsure) and entry.block:
             self.pending.append(Pending(entry.address, entry.block, waits, streams))
 
     def observe_synchronizations(self) -> None:
