@@ -5,12 +5,9 @@
 //! error, [`PoolError::Capturing`]), never records fences on one, and holds a block freed while
 //! one of its streams captures (freed for its user, so no longer allocated, but active: neither
 //! reused nor returned to the device) until that capture ends, as PyTorch does with frees
-//! during capture. While a stream captures, no memory goes
-//! back to the device either (a release may synchronize, which a capture forbids), the device
-//! is waited for stream by stream, and copies to or from an allocation whose stream captures
-//! are refused. While any stream captures, no memory goes
-//! back to the device either (a release may synchronize, which a capture forbids), and copies
-//! to or from an allocation whose stream captures are refused.
+//! during capture. While any stream captures, no memory goes back to the device either (a
+//! release may synchronize, which a capture forbids), the device is waited for stream by stream,
+//! and copies to or from an allocation whose stream captures are refused.
 
 use super::{Pool, PoolError, Refused};
 use crate::core::{Handle, Heap, USE_OVERFLOW_BIT};
