@@ -144,8 +144,10 @@ pub enum PoolError {
 /// What a capture refuses, for [`PoolError::Capturing`]'s message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refused {
-    /// An allocation or a copy on the capturing stream.
+    /// An allocation on the capturing stream.
     Work,
+    /// A copy to or from an allocation of the capturing stream: it waits for the stream.
+    Copy,
     /// A query, a wait or a destroy, which the driver forbids during capture.
     Wait,
     /// An order between two streams across the capture's edge (a DLPack export's).
@@ -164,6 +166,12 @@ impl fmt::Display for PoolError {
                 "stream {stream} is being captured into a CUDA graph: gpupool does not allocate during capture \
                  (a graph's replays would write to memory the pool hands to others); allocate the graph's \
                  buffers before capturing"
+            ),
+            PoolError::Capturing(stream, Refused::Copy) => write!(
+                f,
+                "stream {stream} is being captured into a CUDA graph: its allocations cannot be copied to or from \
+                 the host until the capture ends (a copy waits for the stream, which the driver forbids during \
+                 capture, and a captured copy would run at replay, against a host buffer long gone)"
             ),
             PoolError::Capturing(stream, Refused::Wait) => write!(
                 f,

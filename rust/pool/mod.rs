@@ -644,7 +644,7 @@ impl<D: Device> Pool<D> {
             return Err(PoolError::Device(DeviceError::InvalidAddress(address.saturating_add(offset))));
         }
         if self.captures_graphs {
-            self.refuse_capture(stream, Refused::Work)?;
+            self.refuse_capture(stream, Refused::Copy)?;
         }
         Ok((address + offset, stream))
     }
