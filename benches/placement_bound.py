@@ -17,6 +17,11 @@ at once, which only helps). Per FILE it prints the peak live bytes of those bloc
 high water rounded up to 2 MiB pages, the default's peak reserved on an unlimited device and
 goal 1's bound for it (1.01x its min capacity + 20 MiB, issue 13). Where every rule's high
 water is above the bound, no rule of these meets it without unmapping memory that holes hold.
+
+For contrast it also places the same blocks with foresight, as a static memory planner does
+before a run: largest first, each at the lowest address free for its whole lifetime (greedy by
+size). No pool can do that, because it sees a block's size and lifetime only as they come; the
+column says how much of a rule's high water is for not knowing the future.
 """
 
 from __future__ import annotations
@@ -109,19 +114,68 @@ def high_waters(events: Iterable[Event]) -> tuple[int, dict[str, int]]:
     return peak, {rule: space.high_water for rule, space in spaces.items()}
 
 
+def lifetimes(events: Iterable[Event]) -> list[tuple[int, int, int]]:
+    """The large-range blocks as (first event, event that frees it or the trace's end, size)."""
+    born: dict[int, tuple[int, int]] = {}
+    blocks = []
+    count = 0
+    for count, event in enumerate(events, 1):
+        if event.action == "alloc":
+            size = -(-event.size // GRANULE) * GRANULE
+            if size > TINY:
+                born[event.address] = (count - 1, size)
+        elif event.action == "free" and event.address in born:
+            start, size = born.pop(event.address)
+            blocks.append((start, count - 1, size))
+    blocks.extend((start, count, size) for start, size in born.values())
+    return blocks
+
+
+def plan_with_foresight(blocks: list[tuple[int, int, int]], bucket: int = 256) -> list[int]:
+    """Each block's address under greedy by size: largest first (earliest first among equals),
+    each at the lowest address no block placed before it uses during its lifetime. Placed blocks
+    are indexed by the buckets of `bucket` events their lifetimes span, to find the overlaps."""
+    at = [0] * len(blocks)
+    index: dict[int, list[int]] = {}
+    for i in sorted(range(len(blocks)), key=lambda i: (-blocks[i][2], blocks[i][0])):
+        start, end, size = blocks[i]
+        spanned = range(start // bucket, max(start, end - 1) // bucket + 1)
+        taken = sorted(
+            {
+                (at[j], at[j] + blocks[j][2])
+                for k in spanned
+                for j in index.get(k, ())
+                if blocks[j][0] < end and start < blocks[j][1]
+            }
+        )
+        for low, high in taken:
+            if at[i] + size <= low:
+                break
+            at[i] = max(at[i], high)
+        for k in spanned:
+            index.setdefault(k, []).append(i)
+    return at
+
+
+def high_water_with_foresight(blocks: list[tuple[int, int, int]]) -> int:
+    """The top of `plan_with_foresight`'s layout, in bytes."""
+    return max((at + size for at, (_, _, size) in zip(plan_with_foresight(blocks), blocks, strict=True)), default=0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
     args = parser.parse_args()
-    print("| trace (MiB) | peak live | " + " | ".join(RULES) + " | default, peak reserved | bound |")
-    print("|---|---:|" + "---:|" * len(RULES) + "---:|---:|")
+    print("| trace (MiB) | peak live | " + " | ".join(RULES) + " | with foresight | default, peak reserved | bound |")
+    print("|---|---:|" + "---:|" * len(RULES) + "---:|---:|---:|")
     for path in args.files:
         trace = load(path)
         peak, waters = high_waters(trace)
         least = replay(trace, "strategy:default", min_capacity=True).min_capacity_bytes or 0
         reserved = replay(trace, "strategy:default").peak_reserved_bytes
         bound = 1.01 * least + 20 * MiB
-        cells = [f"{-(-waters[rule] // PAGE) * PAGE / MiB:,.0f}" for rule in RULES]
+        planned = high_water_with_foresight(lifetimes(trace))
+        cells = [f"{-(-water // PAGE) * PAGE / MiB:,.0f}" for water in [*(waters[rule] for rule in RULES), planned]]
         name = os.path.basename(path).split(".")[0][:48]
         print(
             f"| {name} | {peak / MiB:,.1f} | " + " | ".join(cells) + f" | {reserved / MiB:,.0f} | {bound / MiB:,.1f} |",
