@@ -187,3 +187,54 @@ def test_a_recommendation_that_needs_more_says_so():
     worse = dataclasses.replace(advice.recommended["gpupool"], saved_bytes=-GiB // 4, saved_fraction=-0.0136)
     advice.recommended["gpupool"] = worse
     assert "needs 0.25 GiB (1.4%) more than what you ran" in report(advice)
+
+
+def candidate(config: str, needs: int | None, calls: int, family: str = "gpupool", as_run: bool = False):
+    from gpupool._advice.advice import CandidateResult
+
+    return CandidateResult(
+        config=config,
+        family=family,
+        env=config,
+        gpupool_config=config,
+        as_run=as_run,
+        peak_reserved_bytes=needs or 0,
+        min_capacity_bytes=needs,
+        fragmentation_bytes=0,
+        driver_calls=calls,
+        fits=None,
+        headroom_bytes=None,
+        timeline=([], [], []),
+    )
+
+
+@pytest.mark.parametrize(
+    ("pages_needs", "default_needs", "bfc_needs", "expected"),
+    [
+        (9_980, 10_000, 10_300, "strategy:default"),  # 0.2% less: within the search's 0.5%, at 12 times the calls
+        (9_900, 10_000, 10_300, "strategy:pages"),  # 1% less: a saving
+        (9_980, None, 10_300, "strategy:pages"),  # the default fits no size tried
+        (None, None, 10_300, "strategy:bfc"),
+        (None, None, None, "strategy:default"),  # nothing fits: no saving to prefer another for
+    ],
+)
+def test_gpupool_strategies_replace_the_default_only_past_the_search_tolerance(
+    pages_needs, default_needs, bfc_needs, expected
+):
+    from gpupool._advice.analysis import _recommend
+
+    MiB = 1 << 20
+    mib = lambda n: None if n is None else n * MiB  # noqa: E731
+    results = [
+        candidate("expandable_segments:False", mib(10_400), 30, family="pytorch", as_run=True),
+        candidate("strategy:default", mib(default_needs), 500),
+        candidate("strategy:pages", mib(pages_needs), 6_000),
+        candidate("strategy:bfc", mib(bfc_needs), 5),
+    ]
+    recommended = _recommend(results, "gpupool")
+    assert recommended.config == expected
+    chosen = next(r for r in results if r.config == expected)
+    assert recommended.min_capacity_bytes == chosen.min_capacity_bytes
+    assert recommended.env == f"GPUPOOL_ALLOC_CONF={expected}"
+    if chosen.min_capacity_bytes is not None:
+        assert recommended.saved_bytes == mib(10_400) - chosen.min_capacity_bytes

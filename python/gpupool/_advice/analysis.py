@@ -16,6 +16,9 @@ from gpupool._advice.advice import TOLERANCE, Advice, CandidateResult, Recommend
 from gpupool._advice.snapshot import DeviceRecord, Snapshot
 
 TOP_SITES = 10
+# What gpupool's strategies are recommended against: another must save more than the search's
+# tolerance to replace it.
+GPUPOOL_ANCHOR = "strategy:default"
 GiB = 1 << 30
 
 # Called with (replays done, replays in all, what is running) as the work goes on.
@@ -76,16 +79,21 @@ def _candidate_result(c: _candidates.Candidate, result: Any, capacity: int | Non
 
 def _recommend(results: Sequence[CandidateResult], family: str) -> Recommendation:
     """The family's configuration that needs the smallest device (fewer driver calls break
-    ties); what the user ran unless another saves more than the search's tolerance."""
+    ties), unless it saves no more than the search's tolerance against the family's anchor:
+    what the user ran for PyTorch's settings, gpupool's default strategy for gpupool's. A
+    difference that small is within the search's error, and the other may cost many times
+    the driver calls (`pages` maps every 2 MiB page on its own)."""
     as_run = next(r for r in results if r.as_run)
     # One that no capacity the search tried fits comes last; the savings against one are unknown.
     best = min(
         (r for r in results if r.family == family),
         key=lambda r: (r.min_capacity_bytes is None, r.min_capacity_bytes or 0, r.driver_calls),
     )
+    anchor = as_run if family == "pytorch" else next((r for r in results if r.config == GPUPOOL_ANCHOR), best)
+    held, needs = anchor.min_capacity_bytes, best.min_capacity_bytes
+    if needs is None or (held is not None and held - needs <= TOLERANCE * held):
+        best = anchor
     ran, needs = as_run.min_capacity_bytes, best.min_capacity_bytes
-    if family == "pytorch" and (needs is None or (ran is not None and ran - needs <= TOLERANCE * ran)):
-        best, needs = as_run, ran
     saved = None if ran is None or needs is None else ran - needs
     variable = "PYTORCH_ALLOC_CONF" if family == "pytorch" else "GPUPOOL_ALLOC_CONF"
     return Recommendation(
