@@ -7,8 +7,10 @@ test with the child's output instead of ending the run.
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -403,3 +405,30 @@ def test_a_panic_that_left_the_pool_inconsistent_is_reported_by_every_later_call
     # Dropped here, under this test's filter: the pointer's destructor reports the same error.
     del first, pool, caught, call
     gc.collect()
+
+
+def test_the_extension_refuses_to_load_where_the_gil_was_forced_off():
+    # The pool's lock is ordered by the GIL (rust/python/gil_lock.rs). A free-threaded Python
+    # turns the GIL on for a module that declares it needs it, unless PYTHON_GIL=0 forced it off:
+    # `sys._is_gil_enabled()` (3.13+) then says False, which this child pretends.
+    out = run_child(
+        """
+        import sys
+        sys._is_gil_enabled = lambda: False
+        try:
+            import gpupool
+        except ImportError as error:
+            print("refused:", error)
+        else:
+            print("loaded")
+        """
+    )
+    assert out.startswith("refused: gpupool needs the GIL, which PYTHON_GIL=0 or -X gil=0 turned off"), out
+
+
+@pytest.mark.skipif(sysconfig.get_config_var("Py_GIL_DISABLED") != 1, reason="needs a free-threaded Python (3.13t on)")
+def test_a_free_threaded_python_turns_the_gil_on_for_gpupool():
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON_GIL"}
+    code = "import sys, gpupool; print(sys._is_gil_enabled())"
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.strip() == "True", child.stderr

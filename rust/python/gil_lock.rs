@@ -2,8 +2,9 @@
 //!
 //! Every thread that takes it is attached to the interpreter (each method wants a [`Python`]
 //! token), so the GIL already serializes the takers: the lock's state is plain cells that only
-//! attached threads read and write. (The extension is built for the stable ABI, which
-//! free-threaded interpreters do not load, so there always is a GIL.) Taking and dropping it
+//! attached threads read and write. (A free-threaded interpreter builds the extension
+//! version-specific and turns the GIL on when it imports it, which the module declares it needs;
+//! the import fails where the GIL was forced off: see `native_module`.) Taking and dropping it
 //! costs no atomic instruction, where a `Mutex` costs two, a sizeable part of a cached
 //! alloc+free made from Python.
 //!

@@ -19,9 +19,22 @@ mod trace;
 
 use pyo3::prelude::*;
 
-#[pymodule]
+/// `gil_used`: the pool's lock ([`gil_lock::GilLock`]) is ordered by the GIL, so a free-threaded
+/// interpreter (which builds this extension version-specific, not for the stable ABI) must turn
+/// the GIL on when it imports it. Where the GIL was forced off (`PYTHON_GIL=0`, `-X gil=0`) the
+/// import fails instead of racing.
+#[pymodule(gil_used = true)]
 #[pyo3(name = "_native")]
 fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let sys = m.py().import("sys")?;
+    if let Ok(gil_enabled) = sys.getattr("_is_gil_enabled") {
+        if !gil_enabled.call0()?.is_truthy()? {
+            return Err(pyo3::exceptions::PyImportError::new_err(
+                "gpupool needs the GIL, which PYTHON_GIL=0 or -X gil=0 turned off: run without either \
+                 (a free-threaded Python turns the GIL on for gpupool by itself)",
+            ));
+        }
+    }
     m.add_class::<pool::PyPool>()?;
     m.add_class::<device_ptr::PyDevicePtr>()?;
     m.add_class::<export::PyExport>()?;
