@@ -823,6 +823,52 @@ def test_dlpack_ordering_leaves_captures_valid(fake):
     assert result["joined"] is None and result["joined_ended"] == 0
 
 
+def test_the_fake_refuses_a_wait_that_merges_two_captures(fake):
+    # The fake's own rule: each capture has an id, shared by the streams that joined it; a
+    # capturing stream's wait for an event of another capture would merge two independent
+    # captures, which is counted and invalidates both (CUDA_ERROR_STREAM_CAPTURE_MERGE).
+    result = fake_driver.run(
+        """
+        use_context(0)
+        lib = driver()
+        def stream():
+            raw = ctypes.c_void_p()
+            assert lib.cuStreamCreate(ctypes.byref(raw), 1) == 0
+            return raw
+        def info(s):
+            status, capture = ctypes.c_int(-1), ctypes.c_ulonglong(0)
+            assert lib.cuStreamGetCaptureInfo_v2(s, ctypes.byref(status), ctypes.byref(capture), None, None, None) == 0
+            return [status.value, capture.value]
+        a, b, joiner = stream(), stream(), stream()
+        assert lib.cuStreamBeginCapture_v2(a, 2) == 0
+        assert lib.cuStreamBeginCapture_v2(b, 2) == 0
+        event = ctypes.c_void_p()
+        assert lib.cuEventCreate(ctypes.byref(event), 2) == 0
+        assert lib.cuEventRecord(event, a) == 0
+        assert lib.cuStreamWaitEvent(joiner, event, 0) == 0
+        before = info(a), info(b), info(joiner)
+        no_status = lib.cuStreamGetCaptureInfo_v2(a, None, None, None, None, None)
+        clean = violations()
+        merge = lib.cuStreamWaitEvent(b, event, 0)
+        statuses = [info(s)[0] for s in (a, b, joiner)]
+        graph = ctypes.c_void_p()
+        ends = [lib.cuStreamEndCapture(s, ctypes.byref(graph)) for s in (a, b)]
+        report(before=before, no_status=no_status, clean=clean, merge=merge, statuses=statuses, ends=ends,
+               violations=violations(), idle=info(a)[0])
+        """,
+        fake,
+    )
+    (a_status, a_id), (b_status, b_id), (joiner_status, joiner_id) = result["before"]
+    assert a_status == b_status == joiner_status == 1
+    assert a_id == joiner_id != b_id, "a joined stream shares its capture's id; another capture has its own"
+    assert result["no_status"] == 1, "the status is required (CUDA_ERROR_INVALID_VALUE)"
+    assert result["clean"] == 0
+    assert result["merge"] == 902, "CUDA_ERROR_STREAM_CAPTURE_MERGE"
+    assert result["statuses"] == [2, 2, 2], "both captures, joined streams included, are invalidated"
+    assert result["ends"] == [901, 901]
+    assert result["violations"] == 1 and result["idle"] == 0
+
+
 def test_c_abi_on_the_cuda_backend(fake):
     result = fake_driver.run(
         """

@@ -20,7 +20,11 @@
  *     capture joins it, and a capture that ends before its joined streams rejoin it (the
  *     origin stream waits for an event recorded on them after their last work) is invalid; a
  *     capturing stream's plain wait for an event recorded outside the capture is invalid
- *     (CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
+ *     (CUDA_ERROR_STREAM_CAPTURE_ISOLATION); each capture sequence has an id (shared by the
+ *     streams that joined it, cuStreamGetCaptureInfo_v2), and a capturing stream's wait for an
+ *     event recorded in another capture would merge two independent captures: a violation,
+ *     which invalidates both (CUDA_ERROR_STREAM_CAPTURE_MERGE); an invalidated capture is
+ *     invalid on every stream in it;
  *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
  *     memory a pending kernel uses is a violation;
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
@@ -83,6 +87,7 @@ enum {
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_MERGE = 902,
     CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
     CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
     CUDA_ERROR_UNKNOWN = 999,
@@ -131,19 +136,22 @@ struct stream {
     unsigned long long enqueued, completed;
     struct op *head, *tail;
     int capturing, capture_mode, capture_invalid;
+    unsigned long long capture_id; /* the capture sequence it is in, while capturing */
     pthread_t capture_thread; /* the thread that began the capture */
     struct stream *joined; /* the capture this stream joined by waiting for one of its events */
     int rejoined;          /* the origin stream waited for its latest work since */
     unsigned long long captured; /* operations captured on it so far */
 };
 
-/* `captured`: recorded in a capture, after `capture_ops` operations captured on its stream. */
+/* `captured`: recorded in capture sequence `capture_id`, after `capture_ops` operations captured
+ * on its stream. */
 struct event {
     int live;
     struct context *context;
     struct stream *stream;
     unsigned long long seq;
     int captured;
+    unsigned long long capture_id;
     unsigned long long capture_ops;
 };
 struct allocation { uintptr_t address; size_t size; int device; unsigned long long serial; };
@@ -173,6 +181,8 @@ static struct reservation reservations[256];
 static struct { ino_t inode; struct physical *physical; } exports[MAX_ITEMS];
 static int reservation_count;
 static unsigned long long next_serial = 1, next_order = 1;
+/* Capture sequence ids: unique over the process's life, as the driver's are. */
+static unsigned long long next_capture_id = 1;
 /* The calling thread's capture interaction mode (cuThreadExchangeStreamCaptureMode): 0 global,
  * the default; 1 thread-local; 2 relaxed. */
 static __thread int capture_mode;
@@ -479,8 +489,14 @@ static struct op *new_op(enum op_kind kind, uintptr_t address, size_t size) {
     return op;
 }
 
+/* Invalidates the capture `s` is in, on every stream in it: the origin's end fails, and each
+ * stream reports the capture invalidated. */
 static void invalidate_capture(struct stream *s) {
-    if (s->capturing) s->capture_invalid = 1;
+    if (!s->capturing) return;
+    s->capture_invalid = 1;
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i] && streams[i]->capturing && streams[i]->capture_id == s->capture_id)
+            streams[i]->capture_invalid = 1;
 }
 
 /* Whether the calling thread is prohibited from "potentially unsafe" calls, by its mode: in
@@ -1001,6 +1017,8 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
      * goes into the graph, and the capture cannot end until the stream joins back. */
     if (e->captured && e->stream && !s->capturing) {
         s->capturing = 1;
+        s->capture_id = e->capture_id;
+        s->capture_invalid = e->stream->capture_invalid;
         s->joined = e->stream->joined ? e->stream->joined : e->stream;
         s->rejoined = 0;
         FAIL(CUDA_SUCCESS);
@@ -1011,6 +1029,14 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
     if (s->capturing && e->stream && !e->captured) {
         invalidate_capture(s);
         FAIL(CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
+    }
+    /* Nor for an event recorded in another capture sequence: the wait would merge two
+     * independent captures, and the driver invalidates both. */
+    if (s->capturing && e->captured && e->stream && e->capture_id != s->capture_id) {
+        violation("a capturing stream waited for an event of another capture", 0, 0);
+        invalidate_capture(s);
+        invalidate_capture(e->stream);
+        FAIL(CUDA_ERROR_STREAM_CAPTURE_MERGE);
     }
     /* The origin stream waiting for a joined stream's latest captured work joins it back. */
     if (e->captured && e->stream && e->stream->joined == s && e->capture_ops == e->stream->captured)
@@ -1030,6 +1056,7 @@ CUresult cuStreamBeginCapture_v2(void *handle, int mode) {
     if (s->capturing || mode < 0 || mode > 2) FAIL(CUDA_ERROR_INVALID_VALUE);
     s->capturing = 1;
     s->capture_invalid = 0;
+    s->capture_id = next_capture_id++;
     s->capture_mode = mode;
     s->capture_thread = pthread_self();
     LEAVE;
@@ -1086,6 +1113,26 @@ CUresult cuStreamIsCapturing(void *handle, int *capture_status) {
     LEAVE;
 }
 
+/* As cuStreamIsCapturing, and, for an active capture only (the driver defines nothing else then),
+ * the sequence's id and graph (the origin stream's handle, as cuStreamEndCapture gives it); the
+ * fake keeps no graph nodes, so the dependency set is empty. The status is required, the rest
+ * optional. */
+CUresult cuStreamGetCaptureInfo_v2(void *handle, int *capture_status, unsigned long long *id, void **graph,
+                                   const void ***dependencies, size_t *dependency_count) {
+    ENTER(1);
+    struct stream *s = stream_of(handle);
+    if (!s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!capture_status) FAIL(CUDA_ERROR_INVALID_VALUE);
+    if (legacy_unusable(s, 0)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    *capture_status = s->capturing ? (s->capture_invalid ? 2 : 1) : 0;
+    if (*capture_status != 1) FAIL(CUDA_SUCCESS);
+    if (id) *id = s->capture_id;
+    if (graph) *graph = s->joined ? s->joined : s;
+    if (dependencies) *dependencies = NULL;
+    if (dependency_count) *dependency_count = 0;
+    LEAVE;
+}
+
 CUresult cuEventCreate(struct event **out, unsigned int flags) {
     ENTER(1);
     if (!out || flags > 15) FAIL(CUDA_ERROR_INVALID_VALUE);
@@ -1110,6 +1157,7 @@ CUresult cuEventRecord(struct event *e, void *handle) {
     if (e->context != (s == LEGACY ? current : s->context)) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     e->captured = s->capturing;
+    e->capture_id = s->capture_id;
     e->capture_ops = s->captured;
     e->stream = s;
     e->seq = s->capturing ? 0 : enqueue(s, new_op(OP_MARK, 0, 0));
