@@ -823,10 +823,61 @@ def test_dlpack_ordering_leaves_captures_valid(fake):
     assert result["joined"] is None and result["joined_ended"] == 0
 
 
+def test_dlpack_ordering_between_two_captures_is_refused(fake):
+    # Two independent captures: ordering one's stream after the other's would merge them, which
+    # the driver refuses by invalidating both. gpupool refuses first and leaves both running. A
+    # consumer that joined the allocation's capture is in the same capture: it is ordered.
+    result = fake_driver.run(
+        """
+        use_context(0)
+        pool = gpupool.Pool("cuda:0")
+        side, other = pool.stream(), pool.stream()
+        ptr = pool.alloc(64, stream=side)
+        lib = driver()
+        def status(stream):
+            status = ctypes.c_int(-1)
+            assert lib.cuStreamIsCapturing(ctypes.c_void_p(stream.handle), ctypes.byref(status)) == 0
+            return status.value
+        def end(stream):
+            graph = ctypes.c_void_p()
+            return lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph))
+        def wait(waiter, recorder):
+            event = ctypes.c_void_p()
+            assert lib.cuEventCreate(ctypes.byref(event), 2) == 0
+            assert lib.cuEventRecord(event, ctypes.c_void_p(recorder.handle)) == 0
+            assert lib.cuStreamWaitEvent(ctypes.c_void_p(waiter.handle), event, 0) == 0
+        assert lib.cuStreamBeginCapture_v2(side.handle, 2) == 0
+        assert lib.cuStreamBeginCapture_v2(other.handle, 2) == 0
+        try:
+            ptr.__dlpack__(stream=other.handle)
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        apart = dict(refused=refused, statuses=[status(side), status(other)], ends=[end(side), end(other)])
+        assert lib.cuStreamBeginCapture_v2(side.handle, 2) == 0
+        wait(other, side)
+        waits = calls("cuStreamWaitEvent")
+        ptr.__dlpack__(stream=other.handle)
+        ordered = calls("cuStreamWaitEvent") - waits
+        wait(side, other)
+        report(apart=apart, ordered=ordered, joined_end=end(side), violations=violations())
+        """,
+        fake,
+    )
+    apart = result["apart"]
+    assert apart["refused"] and "two different CUDA graphs" in apart["refused"], apart["refused"]
+    assert apart["statuses"] == [1, 1], "a capture was invalidated"
+    assert apart["ends"] == [0, 0]
+    assert result["ordered"] == 1, "the consumer in the allocation's capture was not ordered after it"
+    assert result["joined_end"] == 0
+    assert result["violations"] == 0
+
+
 def test_the_fake_refuses_a_wait_that_merges_two_captures(fake):
-    # The fake's own rule: each capture has an id, shared by the streams that joined it; a
-    # capturing stream's wait for an event of another capture would merge two independent
-    # captures, which is counted and invalidates both (CUDA_ERROR_STREAM_CAPTURE_MERGE).
+    # The fake's own rule, which the test above relies on: each capture has an id, shared by the
+    # streams that joined it; a capturing stream's wait for an event of another capture would
+    # merge two independent captures, which is counted and invalidates both
+    # (CUDA_ERROR_STREAM_CAPTURE_MERGE).
     result = fake_driver.run(
         """
         use_context(0)

@@ -508,6 +508,23 @@ impl Device for Cuda {
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
+    /// The driver defines the id for an active capture only.
+    fn capture_id(&mut self, stream: StreamId) -> Result<Option<u64>, DeviceError> {
+        let (raw, _current) = self.enter_stream(stream)?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id = 0;
+        let (graph, dependencies, count) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: a live stream of the current context; the status and the id written, the graph
+        // and its dependencies not asked for (null). Allowed during capture, as is_capturing is.
+        let code = unsafe { sys::cuStreamGetCaptureInfo_v2(raw, &mut status, &mut id, graph, dependencies, count) };
+        // The legacy default stream, unusable while a blocking stream captures, is in no capture.
+        if driver::is(code, sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) {
+            return Ok(None);
+        }
+        check("cuStreamGetCaptureInfo", code)?;
+        Ok((status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE).then_some(id))
+    }
+
     fn created_streams(&self) -> Vec<StreamId> {
         self.streams.iter().filter(|(_, raw)| raw.owned).map(|(&id, _)| id).collect()
     }

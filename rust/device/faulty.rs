@@ -269,6 +269,9 @@ impl<D: Device> Device for Faulty<D> {
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
         self.inner.is_capturing(stream)
     }
+    fn capture_id(&mut self, stream: StreamId) -> Result<Option<u64>, DeviceError> {
+        self.inner.capture_id(stream)
+    }
     fn created_streams(&self) -> Vec<StreamId> {
         self.inner.created_streams()
     }

@@ -19,7 +19,8 @@
 //!   `import_stream` wraps a stream made elsewhere (a raw `cudaStream_t`) and `stream_handle`
 //!   gives a stream's raw handle back; devices without real streams answer `Unsupported` / `None`.
 //!   `is_capturing` says whether a stream is being captured into a CUDA graph, when queries,
-//!   synchronization and allocation from the driver are not allowed on it.
+//!   synchronization and allocation from the driver are not allowed on it; `capture_id` names
+//!   the capture, which streams share when they capture into the same graph.
 //! - A device never panics on bad input: every failure is a `DeviceError`.
 
 #[cfg(feature = "cuda")]
@@ -176,6 +177,13 @@ pub trait Device: Send {
     fn is_capturing(&mut self, _stream: StreamId) -> Result<bool, DeviceError> {
         Ok(false)
     }
+    /// The capture sequence `stream` is in, as an id that two streams share exactly when they
+    /// capture into the same graph (one joined the other's capture by waiting for its event).
+    /// None when it is in no active capture, or the device cannot tell which: an invalidated
+    /// capture has no id, nor does a device without graphs.
+    fn capture_id(&mut self, _stream: StreamId) -> Result<Option<u64>, DeviceError> {
+        Ok(None)
+    }
     /// The streams this device made and has not destroyed (not the imported ones).
     fn created_streams(&self) -> Vec<StreamId> {
         Vec::new()
@@ -329,6 +337,9 @@ impl<D: Device + ?Sized> Device for Box<D> {
     }
     fn is_capturing(&mut self, stream: StreamId) -> Result<bool, DeviceError> {
         (**self).is_capturing(stream)
+    }
+    fn capture_id(&mut self, stream: StreamId) -> Result<Option<u64>, DeviceError> {
+        (**self).capture_id(stream)
     }
     fn created_streams(&self) -> Vec<StreamId> {
         (**self).created_streams()

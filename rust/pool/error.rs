@@ -152,6 +152,9 @@ pub enum Refused {
     Wait,
     /// An order between two streams across the capture's edge (a DLPack export's).
     Order,
+    /// An order between streams of two different captures (a DLPack export's), which would merge
+    /// them; the stream is the allocation's.
+    Merge,
 }
 
 impl fmt::Display for PoolError {
@@ -182,6 +185,13 @@ impl fmt::Display for PoolError {
                 f,
                 "stream {stream} is being captured into a CUDA graph: no order between streams can cross the \
                  capture's edge (export with stream=-1 for no ordering, or from a stream of the same capture)"
+            ),
+            PoolError::Capturing(stream, Refused::Merge) => write!(
+                f,
+                "stream {stream} and the DLPack consumer's stream are being captured into two different CUDA \
+                 graphs: ordering one after the other would merge the two captures, which the driver refuses by \
+                 invalidating both (export with stream=-1 for no ordering, or consume on a stream that joined \
+                 this stream's capture)"
             ),
         }
     }

@@ -5,7 +5,7 @@ use super::dlpack::{self, DataType};
 use super::error::{pool_error, value_error};
 use super::pool::{DevicePool, Shared};
 use crate::core::Handle;
-use crate::device::{Device, StreamId, DEFAULT_STREAM};
+use crate::device::{Device, DeviceError, StreamId, DEFAULT_STREAM};
 use crate::pool::{HeldBlock, PoolError, Refused};
 use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
@@ -128,9 +128,11 @@ impl Memory<'_> {
 /// Makes `waiter` wait for the work queued on `producer`. No order can cross a capture's edge:
 /// an event recorded in a capture and waited for outside it pulls the waiter into the capture,
 /// which then cannot end; a capturing stream may not wait for an event recorded outside its
-/// capture (only as an external event node, which would outlive the event made here); and the
-/// legacy stream, which counts as capturing while a blocking stream captures, may not be used at
-/// all then (using it invalidates that capture). All are refused, as copies during a capture are.
+/// capture (only as an external event node, which would outlive the event made here), nor for
+/// one recorded in another capture (that would merge two independent captures, and the driver
+/// invalidates both); and the legacy stream, which counts as capturing while a blocking stream
+/// captures, may not be used at all then (using it invalidates that capture). All are refused,
+/// as copies during a capture are.
 fn order_after(device: &mut dyn Device, producer: StreamId, waiter: StreamId) -> Result<(), PoolError> {
     let (producing, waiting) = (device.is_capturing(producer)?, device.is_capturing(waiter)?);
     if producing && (!waiting || producer == DEFAULT_STREAM) {
@@ -139,7 +141,17 @@ fn order_after(device: &mut dyn Device, producer: StreamId, waiter: StreamId) ->
     if waiting && (!producing || waiter == DEFAULT_STREAM) {
         return Err(PoolError::Capturing(waiter, Refused::Order));
     }
+    if producing && !same_capture(device, producer, waiter)? {
+        return Err(PoolError::Capturing(producer, Refused::Merge));
+    }
     let event = device.record_event(producer)?;
     let waited = device.stream_wait_event(waiter, event);
     Ok(device.destroy_event(event).and(waited)?)
+}
+
+/// Whether two capturing streams capture into the same graph. An id the device cannot give (an
+/// invalidated capture) matches nothing: no order is made there.
+fn same_capture(device: &mut dyn Device, a: StreamId, b: StreamId) -> Result<bool, DeviceError> {
+    let id = device.capture_id(a)?;
+    Ok(id.is_some() && id == device.capture_id(b)?)
 }

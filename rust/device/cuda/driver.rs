@@ -37,6 +37,7 @@ const CORE_SYMBOLS: &[&str] = &[
     "cuStreamSynchronize",
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo_v2",
     "cuStreamGetCtx",
     "cuEventCreate",
     "cuEventRecord",
