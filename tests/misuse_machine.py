@@ -10,7 +10,8 @@ test failure rather than the end of the run; by hand:
 driver (tests/fake_cuda, found through LD_LIBRARY_PATH): there a held stream runs a kernel, on
 scratch memory or over a live allocation, every new block is first touched by a kernel on its
 stream, streams made through the driver are imported and later destroyed by their owner, graph
-captures begin and end on the pool's and imported streams, and any breach of the driver's rules
+captures begin and end on the pool's and imported streams (at times beside another framework's
+capture, which consumes a DLPack export), and any breach of the driver's rules
 the fake counts (or an invalidated capture) fails the run. Each step is appended to the log
 before it runs (the log restarts with each example), so after a crash it holds the steps that
 led there. Failures are not shrunk unless ``GPUPOOL_MISUSE_SHRINK=1`` is set (shrinking a stateful
@@ -195,17 +196,17 @@ class FakeDriver:
     def destroy_stream(self, handle: int) -> None:
         assert self.lib.cuStreamDestroy_v2(handle) == 0
 
-    def begin_capture(self, stream: gpupool.Stream, mode: int) -> None:
-        assert self.lib.cuStreamBeginCapture_v2(stream.handle, mode) == 0
+    def begin_capture(self, handle: int, mode: int) -> None:
+        assert self.lib.cuStreamBeginCapture_v2(handle, mode) == 0
 
-    def end_capture(self, stream: gpupool.Stream) -> int:
+    def end_capture(self, handle: int) -> int:
         graph = ctypes.c_void_p()
-        return self.lib.cuStreamEndCapture(stream.handle, ctypes.byref(graph))
+        return self.lib.cuStreamEndCapture(handle, ctypes.byref(graph))
 
-    def capture_status(self, stream: gpupool.Stream) -> int:
+    def capture_status(self, handle: int) -> int:
         """0 none, 1 active, 2 invalidated."""
         status = ctypes.c_int()
-        assert self.lib.cuStreamIsCapturing(stream.handle, ctypes.byref(status)) == 0
+        assert self.lib.cuStreamIsCapturing(handle, ctypes.byref(status)) == 0
         return status.value
 
     def launch(self, stream: gpupool.Stream, address: int, size: int, tag: int) -> None:
@@ -1066,13 +1067,18 @@ class MisuseMachine(RuleBasedStateMachine):
     @rule(
         data=st.data(),
         mode=st.sampled_from([0, 1, 2]),
-        op=st.sampled_from(["end", "alloc", "copy", "query", "synchronize", "destroy", "use", "export"]),
+        op=st.sampled_from(
+            ["end", "alloc", "copy", "query", "synchronize", "destroy", "use", "export", "export_apart"]
+        ),
     )
     def capture(self, data, mode, op):
         """Begins a capture (global, thread-local or relaxed mode) on a stream of the pool's or
         an imported one the pool holds a live block for (README: a capture on an imported
         stream the pool holds nothing for is not seen); or, while it runs, does ``op`` to the
         capturing stream, ending it at last: the pool must not have invalidated it."""
+        if op == "export_apart":
+            self.export_between_captures(data, mode)
+            return
         if self.capture is not None:
             if op == "end":
                 self.end_capture()
@@ -1097,7 +1103,7 @@ class MisuseMachine(RuleBasedStateMachine):
             if not seen():
                 return
         log(f"cuStreamBeginCapture({sid}, mode={mode})")
-        FAKE.begin_capture(self.streams[sid], mode)
+        FAKE.begin_capture(self.streams[sid].handle, mode)
         self.capture = Capture(sid, self.streams[sid])
 
     def during_capture(self, data, op: str) -> None:
@@ -1128,9 +1134,42 @@ class MisuseMachine(RuleBasedStateMachine):
         elif op == "export" and own:
             self.export_entry(data, pick(data, own), "capsule")
 
+    def export_between_captures(self, data, mode: int) -> None:
+        """A DLPack export between two independent captures: from a live allocation's stream,
+        capturing already or begun here, to another framework's stream captured here. Ordering
+        one after the other would merge the captures, which the driver answers by invalidating
+        both: refused, and both go on (those begun here end here)."""
+
+        def candidates() -> list[Entry]:
+            return [e for e in self.live() if e.size and e.stream != 0 and e.stream in self.streams]
+
+        if not candidates() and len(self.streams) > 1:
+            sid = pick(data, sorted(self.streams)[1:])
+            self.allocate(data.draw(st.integers(1, 4096)), sid, self.streams[sid])
+        if not candidates():
+            return
+        entry = pick(data, candidates())
+        producer, consumer = self.streams[entry.stream].handle, FAKE.create_stream()
+        begun = not self.capturing(entry.stream)
+        log(f"export({entry.ptr!r}) from capturing stream {entry.stream} to another capture (mode={mode})")
+        if begun:
+            FAKE.begin_capture(producer, mode)
+        FAKE.begin_capture(consumer, data.draw(st.sampled_from([0, 1, 2])))
+        before = entry.ptr.exports
+        try:
+            entry.ptr.__dlpack__(stream=consumer)
+        except RuntimeError as e:
+            assert "two different CUDA graphs" in str(e), e
+        else:
+            raise AssertionError("a capsule ordered a stream of one capture after another capture")
+        assert entry.ptr.exports == before, "a failed export left its pin"
+        assert FAKE.end_capture(consumer) == 0, "the consumer's capture was invalidated"
+        assert FAKE.end_capture(producer) == 0 if begun else FAKE.capture_status(producer) == 1
+        FAKE.destroy_stream(consumer)
+
     def end_capture(self):
         log(f"cuStreamEndCapture({self.capture.sid})")
-        assert FAKE.end_capture(self.capture.stream) == 0, "the capture was invalidated"
+        assert FAKE.end_capture(self.capture.stream.handle) == 0, "the capture was invalidated"
         self.capture = None
         # The frees held for it are done at the pool's next poll, after their streams' work.
         for p in self.pending:
@@ -1141,7 +1180,7 @@ class MisuseMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         if self.capture is not None:
-            assert FAKE.capture_status(self.capture.stream) == 1, "the capture was invalidated"
+            assert FAKE.capture_status(self.capture.stream.handle) == 1, "the capture was invalidated"
         self.observe_synchronizations()
         segments = self.pool.snapshot()["segments"]
         blocks = [b for segment in segments for b in segment["blocks"]]
