@@ -272,7 +272,9 @@ class MisuseMachine(RuleBasedStateMachine):
         self.dead_streams: list[gpupool.Stream] = []
         # Streams the program dropped while a pointer still held them (see destroy_stream).
         self.kept_by_pointers: list[gpupool.Stream] = []
-        self.freed_ptrs: list[gpupool.DevicePtr] = []
+        # Freed entries the program still holds, for double frees: their pointers keep their
+        # streams alive as live ones do (README).
+        self.freed: list[Entry] = []
         self.ledger = Ledger()
         self.tags = itertools.count(1)
         self.synchronizations = (0, 0)
@@ -476,12 +478,12 @@ class MisuseMachine(RuleBasedStateMachine):
         assert ptr.freed
         self.ledger.freed(ptr.size)
         entry.freed = True
-        self.freed_ptrs = [*self.freed_ptrs[-3:], ptr]
+        self.freed = [*self.freed[-3:], entry]
         if not exported:
             self.released(entry)
 
     def double_free(self, data, how):
-        ptr = pick(data, self.freed_ptrs)
+        ptr = pick(data, self.freed).ptr
         log(f"double_free({ptr!r}, how={how})")
         try:
             ptr.free() if how == "method" else self.pool.free(ptr)
@@ -788,8 +790,8 @@ class MisuseMachine(RuleBasedStateMachine):
                 return
         stream = self.streams.pop(sid)
         if drop:
-            if any(entry.stream == sid or sid in entry.uses for entry in self.entries):
-                # A pointer keeps the streams it was made or recorded on alive, so dropping the
+            if any(entry.stream == sid or sid in entry.uses for entry in [*self.entries, *self.freed]):
+                # A pointer, freed or not, keeps the streams it was made or recorded on alive, so dropping the
                 # program's reference destroys nothing: the stream keeps its queued work until a
                 # synchronize. (The model keeps the object too, so that it is destroyed no
                 # earlier than the teardown, whichever pointer goes last; an imported stream's
@@ -988,7 +990,7 @@ class MisuseMachine(RuleBasedStateMachine):
             self.alloc_wrong(data.draw(BAD_SIZES))
         elif kind == "stream":
             self.alloc_on_foreign_stream(data)
-        elif kind == "double_free" and self.freed_ptrs:
+        elif kind == "double_free" and self.freed:
             self.double_free(data, data.draw(st.sampled_from(["method", "pool"])))
         elif kind == "other_pool" and self.live():
             self.free_through_another_pool(data)
@@ -1247,7 +1249,7 @@ class MisuseMachine(RuleBasedStateMachine):
         if self.cuda:
             # Every pool on the device shares its context, and dropping one synchronizes it: this
             # one goes now, not at a collection in the middle of the next program.
-            self.freed_ptrs, self.kept_by_pointers, self.dead_streams, self.streams = [], [], [], {}
+            self.freed, self.kept_by_pointers, self.dead_streams, self.streams = [], [], [], {}
             self.pool = None  # type: ignore[assignment]
             gc.collect()
             FAKE.check_released()
