@@ -920,6 +920,39 @@ def test_the_fake_refuses_a_wait_that_merges_two_captures(fake):
     assert result["violations"] == 1 and result["idle"] == 0
 
 
+def test_the_fake_counts_any_use_of_a_destroyed_event(fake):
+    # The fake's own rule, which every other test relies on to see a dangling event handle: a
+    # destroyed event's address goes to no new event, and using it is a violation.
+    result = fake_driver.run(
+        """
+        use_context(0)
+        lib = driver()
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        for name in ("cuEventQuery", "cuEventSynchronize", "cuEventDestroy_v2"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+        lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        def event():
+            e = ctypes.c_void_p()
+            assert lib.cuEventCreate(ctypes.byref(e), 2) == 0
+            return e.value
+        dead = event()
+        assert lib.cuEventRecord(dead, None) == 0 and lib.cuEventDestroy_v2(dead) == 0
+        clean = violations()
+        uses = [lib.cuEventRecord(dead, None), lib.cuEventQuery(dead), lib.cuEventSynchronize(dead),
+                lib.cuStreamWaitEvent(None, dead, 0), lib.cuEventDestroy_v2(dead)]
+        after = violations()
+        fresh = [event() for _ in range(64)]
+        report(clean=clean, uses=uses, counted=after - clean, reused=dead in fresh, live=lib.cuEventQuery(fresh[0]))
+        """,
+        fake,
+    )
+    assert result["clean"] == 0
+    assert result["uses"] == [400] * 5, "CUDA_ERROR_INVALID_HANDLE"
+    assert result["counted"] == 5, "each use of the destroyed event is a violation"
+    assert not result["reused"], "a new event took the destroyed one's address"
+    assert result["live"] == 0
+
+
 def test_c_abi_on_the_cuda_backend(fake):
     result = fake_driver.run(
         """

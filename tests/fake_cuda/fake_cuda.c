@@ -35,6 +35,9 @@
  *     the same context only; a primary context lives while retained (and not reset), one made
  *     with cuCtxCreate until cuCtxDestroy, and a context that dies takes its streams and events
  *     with it (its handle, made current or current already, is an invalid context);
+ *   - handles: a destroyed stream (and each of the latest 4096 destroyed events) stays allocated,
+ *     so that its address goes to no new one and any later use of the dangling handle, a second
+ *     destroy included, is a violation;
  *   - virtual memory: sizes and addresses aligned to the granularity the driver reports, mapping
  *     only unmapped pages, cuMemUnmap of whole mappings only, access set on fully mapped ranges,
  *     address ranges freed only when nothing in them is mapped, exports only of handles created
@@ -294,12 +297,14 @@ static int add(void **table, void *item) {
     return 0;
 }
 
-static int find(void **table, const void *item) {
+static int find_in(void **table, int size, const void *item) {
     if (!item) return -1;
-    for (int i = 0; i < MAX_ITEMS; i++)
+    for (int i = 0; i < size; i++)
         if (table[i] == item) return i;
     return -1;
 }
+
+static int find(void **table, const void *item) { return find_in(table, MAX_ITEMS, item); }
 
 /* Destroyed streams are kept (never reused) so that a later use of one is seen: the handle is
  * dangling on a real driver, and any use of it, destroying it again included, is a violation. */
@@ -311,6 +316,19 @@ static struct stream *stream_of(void *handle) {
     if (find((void **)streams, handle) >= 0) return handle;
     if (find((void **)destroyed_streams, handle) >= 0) violation("use of a destroyed stream", 0, 0);
     return NULL;
+}
+
+/* Destroyed events are kept, the latest DEAD_EVENTS of them, so that their addresses are not
+ * handed to new events meanwhile and a later use of one is seen: the handle is dangling on a
+ * real driver, and any use of it, destroying it again included, is a violation. */
+#define DEAD_EVENTS 4096
+static struct event *destroyed_events[DEAD_EVENTS];
+static unsigned dead_event_next;
+
+static int live_event(struct event *e) {
+    if (find((void **)events, e) >= 0) return 1;
+    if (e && find_in((void **)destroyed_events, DEAD_EVENTS, e) >= 0) violation("use of a destroyed event", 0, 0);
+    return 0;
 }
 
 static struct allocation *allocation_holding(uintptr_t address) {
@@ -1007,7 +1025,7 @@ CUresult cuStreamSynchronize(void *handle) {
 CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
     ENTER(1);
     struct stream *s = stream_of(handle);
-    if (!s || find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!s || !live_event(e)) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (flags != 0) FAIL(CUDA_ERROR_INVALID_VALUE);
     if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     /* The legacy stream cannot join a capture: that is the disallowed implicit dependency on a
@@ -1152,7 +1170,7 @@ CUresult cuEventRecord(struct event *e, void *handle) {
     ENTER(1);
     if (++event_records == (unsigned long long)env_number("FAKE_CUDA_FAIL_EVENT_RECORD", 0)) FAIL(CUDA_ERROR_UNKNOWN);
     struct stream *s = stream_of(handle);
-    if (find((void **)events, e) < 0 || !s) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!live_event(e) || !s) FAIL(CUDA_ERROR_INVALID_HANDLE);
     /* "event and stream must be on the same context"; the legacy handles mean the current one's. */
     if (e->context != (s == LEGACY ? current : s->context)) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (legacy_unusable(s, 1)) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
@@ -1172,7 +1190,7 @@ static CUresult captured_event(struct event *e) {
 
 CUresult cuEventQuery(struct event *e) {
     ENTER(1);
-    if (find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!live_event(e)) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (e->captured) FAIL(captured_event(e));
     advance();
     if (e->stream && e->stream->completed < e->seq) FAIL(CUDA_ERROR_NOT_READY);
@@ -1181,7 +1199,7 @@ CUresult cuEventQuery(struct event *e) {
 
 CUresult cuEventSynchronize(struct event *e) {
     ENTER(1);
-    if (find((void **)events, e) < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    if (!live_event(e)) FAIL(CUDA_ERROR_INVALID_HANDLE);
     if (e->captured) FAIL(captured_event(e));
     if (e->stream) run_until(e->stream, e->seq);
     LEAVE;
@@ -1189,10 +1207,11 @@ CUresult cuEventSynchronize(struct event *e) {
 
 CUresult cuEventDestroy_v2(struct event *e) {
     ENTER(1);
-    int i = find((void **)events, e);
-    if (i < 0) FAIL(CUDA_ERROR_INVALID_HANDLE);
-    events[i] = NULL;
-    free(e);
+    if (!live_event(e)) FAIL(CUDA_ERROR_INVALID_HANDLE);
+    events[find((void **)events, e)] = NULL;
+    free(destroyed_events[dead_event_next]);
+    destroyed_events[dead_event_next] = e;
+    dead_event_next = (dead_event_next + 1) % DEAD_EVENTS;
     LEAVE;
 }
 
