@@ -272,8 +272,8 @@ class MisuseMachine(RuleBasedStateMachine):
         self.dead_streams: list[gpupool.Stream] = []
         # Streams the program dropped while a pointer still held them (see destroy_stream).
         self.kept_by_pointers: list[gpupool.Stream] = []
-        # Freed entries the program still holds, for double frees: their pointers keep their
-        # streams alive as live ones do (README).
+        # Freed entries the program still holds, for double frees: their bytes back in the pool,
+        # their pointers no longer keep their streams alive (README).
         self.freed: list[Entry] = []
         self.ledger = Ledger()
         self.tags = itertools.count(1)
@@ -790,8 +790,9 @@ class MisuseMachine(RuleBasedStateMachine):
                 return
         stream = self.streams.pop(sid)
         if drop:
-            if any(entry.stream == sid or sid in entry.uses for entry in [*self.entries, *self.freed]):
-                # A pointer, freed or not, keeps the streams it was made or recorded on alive, so dropping the
+            if any(entry.stream == sid or sid in entry.uses for entry in self.entries):
+                # A pointer keeps the streams it was made or recorded on alive until its bytes are
+                # back in the pool (freed, no export left), so dropping the
                 # program's reference destroys nothing: the stream keeps its queued work until a
                 # synchronize. (The model keeps the object too, so that it is destroyed no
                 # earlier than the teardown, whichever pointer goes last; an imported stream's

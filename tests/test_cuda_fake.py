@@ -424,8 +424,10 @@ def test_allocations_outlive_the_stream_they_were_made_on(fake):
 
 def test_an_external_stream_is_not_forgotten_under_its_allocations(fake):
     # gpupool never destroys an external stream: its owner may go on using it. A temporary
-    # wrapper lives as long as the pointer, and destroying one that still has allocations is
-    # refused, so the block never passes to a stream that does not see the owner's work.
+    # wrapper lives as long as the pointer's bytes are out: the free lets it go, and forgetting
+    # it waits for the owner's work first, so the block passes to the default stream only once
+    # the kernel that wrote it has finished. Destroying a wrapper that still has allocations is
+    # refused, so a block never passes to a stream that does not see the owner's work.
     result = fake_driver.run(
         """
         use_context(0)
@@ -434,7 +436,9 @@ def test_an_external_stream_is_not_forgotten_under_its_allocations(fake):
         pool = gpupool.Pool("cuda:0")
         ptr = pool.alloc(1 << 20, stream=pool.external_stream(raw.value))
         launch(raw.value, ptr.ptr, 1 << 20, 0x11)
+        waited_before = calls("cuStreamSynchronize")
         ptr.free()
+        waited = calls("cuStreamSynchronize") - waited_before
         again = pool.alloc(1 << 20)
         reused = again.ptr == ptr.ptr
         launch(0, again.ptr, 1 << 20, 0x22)
@@ -448,12 +452,40 @@ def test_an_external_stream_is_not_forgotten_under_its_allocations(fake):
             refused = str(e)
         live.free()
         wrapper.destroy()
-        report(reused=reused, violations=violations(), refused=refused)
+        report(reused=reused, waited=waited, violations=violations(), refused=refused)
         """,
         fake,
     )
-    assert not result["reused"] and result["violations"] == 0
+    assert result["waited"] == 1, "the free forgot the wrapper, after waiting for the owner's stream"
+    assert result["reused"] and result["violations"] == 0
     assert "still has allocations" in result["refused"]
+
+
+def test_a_kept_freed_pointer_does_not_keep_a_destroyed_stream_in_use(fake):
+    # A user keeps a freed pointer, drops the wrapper of the owner's stream, and the owner
+    # destroys that stream: the pool must not ask the driver about it again.
+    result = fake_driver.run(
+        """
+        use_context(0)
+        raw = ctypes.c_void_p()
+        assert driver().cuStreamCreate(ctypes.byref(raw), 1) == 0
+        pool = gpupool.Pool("cuda:0")
+        side = pool.external_stream(raw.value)
+        kept = pool.alloc(1 << 20, stream=side)
+        launch(raw.value, kept.ptr, 1 << 20, 0x11)
+        kept.free()
+        del side
+        assert driver().cuStreamDestroy_v2(ctypes.c_void_p(raw.value)) == 0
+        again = pool.alloc(1 << 20)
+        pool.synchronize()
+        again.free()
+        pool.empty_cache()
+        del kept
+        report(violations=violations(), reserved=pool.memory_reserved())
+        """,
+        fake,
+    )
+    assert result == {"violations": 0, "reserved": 0}
 
 
 def test_a_held_block_released_during_a_capture_waits_for_its_end(fake):

@@ -275,6 +275,32 @@ def test_an_allocation_keeps_only_the_live_streams_it_was_used_on(pool):
     pool.check_invariants()
 
 
+def test_a_freed_pointer_lets_its_streams_go_once_no_export_holds_its_bytes():
+    # A pointer kept after its free (for a double-free check, say) must not keep the streams it
+    # was made and used on alive, or their owner could not destroy them safely; while an export
+    # holds the bytes, their free still needs those streams.
+    import sys
+
+    pool = gpupool.Pool("host", capacity="64MiB")
+    made, used = pool.stream(), pool.stream()
+    plain, exported = pool.alloc(MiB, stream=made), pool.alloc(MiB, stream=made)
+    plain.record_stream(used)
+    exported.record_stream(used)
+    counts = lambda: (sys.getrefcount(made), sys.getrefcount(used))  # noqa: E731
+    before = counts()
+    plain.free()
+    assert counts() == (before[0] - 1, before[1] - 1)
+    view = exported.view("uint8")
+    exported.free()
+    assert counts() == (before[0] - 1, before[1] - 1), "the export's bytes still wait on both streams"
+    del view
+    assert counts() == (before[0] - 2, before[1] - 2)
+    with pytest.raises(ValueError, match="was freed"):
+        plain.record_stream(used)
+    assert counts() == (before[0] - 2, before[1] - 2)
+    pool.check_invariants()
+
+
 def test_a_trace_of_many_streams_costs_memory_per_block_not_per_bin(tmp_path):
     # A pool keeps free-block bins per stream; each stream's bins used to take 13 KiB at once,
     # so a 50,000-stream trace (2 MiB of CSV) replayed in about 680 MiB. Bins now start empty.

@@ -34,8 +34,9 @@ pub struct PyDevicePtr {
     exports: AtomicU32,
     /// The block a free left held for the exports (taken under the pool's lock).
     held: Mutex<Option<HeldBlock>>,
-    /// The `Stream` objects it was allocated on and recorded as used on, kept alive: a stream
-    /// forgotten while its allocation is in use would leave the bytes without an order.
+    /// The `Stream` objects it was allocated on and recorded as used on, kept alive until the
+    /// bytes are back in the pool: a stream forgotten while its allocation is in use would leave
+    /// the bytes without an order.
     streams: Mutex<Vec<Py<PyStream>>>,
 }
 
@@ -70,6 +71,12 @@ impl PyDevicePtr {
     /// Frees once. The pointer counts as freed only once the pool has freed it: an error leaves
     /// it live, so the free can be retried. With exports alive the bytes are held for them.
     pub fn release(&self, py: Python<'_>) -> PyResult<()> {
+        self.free_block(py)?;
+        self.let_streams_go();
+        Ok(())
+    }
+
+    fn free_block(&self, py: Python<'_>) -> PyResult<()> {
         let Some(handle) = self.handle else {
             let _pool = self.shared.lock(py)?;
             return self.end(|| Ok(()));
@@ -139,7 +146,21 @@ impl PyDevicePtr {
             }
             let held = self.held.lock().unwrap_or_else(|e| e.into_inner()).take();
             held.map_or(Ok(()), |block| pool.release_held(block).map_err(pool_error))
-        })
+        })?;
+        self.let_streams_go();
+        Ok(())
+    }
+
+    /// Drops the `Stream` objects once the bytes are back in the pool (freed, no export left):
+    /// the pool's events order what is left, and a user who keeps the freed pointer must not
+    /// keep a stream alive that its owner means to destroy. Called without the pool's lock,
+    /// since dropping the last reference to a stream destroys it, which takes that lock.
+    fn let_streams_go(&self) {
+        if !self.freed.load(Ordering::Acquire) || self.exports.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(streams);
     }
 
     /// Marks this allocation as used on `stream` (see `Pool.record_stream`).
@@ -154,7 +175,8 @@ impl PyDevicePtr {
         let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
         // A long-lived allocation used on many short-lived streams keeps only the live ones.
         streams.retain(|s| !s.get().is_destroyed());
-        if !streams.iter().any(|s| s.is(stream)) {
+        // A free on another thread since the record has let its streams go (see `let_streams_go`).
+        if !self.freed.load(Ordering::Acquire) && !streams.iter().any(|s| s.is(stream)) {
             streams.push(stream.clone().unbind());
         }
         Ok(())
