@@ -952,6 +952,33 @@ def test_the_fake_refuses_a_wait_that_merges_two_captures(fake):
     assert result["violations"] == 1 and result["idle"] == 0
 
 
+def test_the_fake_counts_a_capture_waiting_for_outside_work(fake):
+    # The fake's own rule: a capturing stream's plain wait for an event recorded outside its
+    # capture breaks the capture's isolation (it would need CU_EVENT_WAIT_EXTERNAL). The driver
+    # invalidates the user's capture, so a pool that does it is counted.
+    result = fake_driver.run(
+        """
+        use_context(0)
+        lib = driver()
+        raws = [ctypes.c_void_p() for _ in range(2)]
+        for raw in raws:
+            assert lib.cuStreamCreate(ctypes.byref(raw), 1) == 0
+        capturing, outside = raws
+        event = ctypes.c_void_p()
+        assert lib.cuEventCreate(ctypes.byref(event), 2) == 0
+        assert lib.cuEventRecord(event, outside) == 0
+        assert lib.cuStreamBeginCapture_v2(capturing, 2) == 0
+        clean = violations()
+        wait = lib.cuStreamWaitEvent(capturing, event, 0)
+        graph = ctypes.c_void_p()
+        end = lib.cuStreamEndCapture(capturing, ctypes.byref(graph))
+        report(clean=clean, wait=wait, end=end, counted=violations() - clean)
+        """,
+        fake,
+    )
+    assert result == {"clean": 0, "wait": 905, "end": 901, "counted": 1}
+
+
 def test_the_fake_counts_any_use_of_a_destroyed_event(fake):
     # The fake's own rule, which every other test relies on to see a dangling event handle: a
     # destroyed event's address goes to no new event, and using it is a violation.

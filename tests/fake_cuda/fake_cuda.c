@@ -19,8 +19,8 @@
  *     (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT); a stream that waits for an event recorded in a
  *     capture joins it, and a capture that ends before its joined streams rejoin it (the
  *     origin stream waits for an event recorded on them after their last work) is invalid; a
- *     capturing stream's plain wait for an event recorded outside the capture is invalid
- *     (CUDA_ERROR_STREAM_CAPTURE_ISOLATION); each capture sequence has an id (shared by the
+ *     capturing stream's plain wait for an event recorded outside the capture is a violation,
+ *     which invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION); each capture sequence has an id (shared by the
  *     streams that joined it, cuStreamGetCaptureInfo_v2), and a capturing stream's wait for an
  *     event recorded in another capture would merge two independent captures: a violation,
  *     which invalidates both (CUDA_ERROR_STREAM_CAPTURE_MERGE); an invalidated capture is
@@ -1045,6 +1045,7 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
      * it would need CU_EVENT_WAIT_EXTERNAL (an external event node), and this fake, like the
      * programming guide, takes a plain wait on it as invalid. */
     if (s->capturing && e->stream && !e->captured) {
+        violation("a capturing stream waited for an event recorded outside its capture", 0, 0);
         invalidate_capture(s);
         FAIL(CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
     }
