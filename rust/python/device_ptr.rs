@@ -38,6 +38,9 @@ pub struct PyDevicePtr {
     /// bytes are back in the pool: a stream forgotten while its allocation is in use would leave
     /// the bytes without an order.
     streams: Mutex<Vec<Py<PyStream>>>,
+    /// Whether `streams` ever held one: most pointers live on the default stream, and their
+    /// frees skip its lock.
+    keeps_streams: AtomicBool,
 }
 
 /// A stream id, and the `Stream` object it came from (none for the default stream).
@@ -55,8 +58,9 @@ impl PyDevicePtr {
     fn with(shared: Arc<Shared>, address: u64, size: u64, stream: StreamArg, handle: Option<Handle>) -> Self {
         let (freed, exports, held) = (AtomicBool::new(false), AtomicU32::new(0), Mutex::new(None));
         let (stream, object) = stream;
+        let keeps_streams = AtomicBool::new(object.is_some());
         let streams = Mutex::new(object.into_iter().collect());
-        PyDevicePtr { shared, address, size, stream, handle, freed, exports, held, streams }
+        PyDevicePtr { shared, address, size, stream, handle, freed, exports, held, streams, keeps_streams }
     }
 
     /// Whether its pool is a parent's that this forked child cannot use (see `Shared`).
@@ -156,7 +160,10 @@ impl PyDevicePtr {
     /// keep a stream alive that its owner means to destroy. Called without the pool's lock,
     /// since dropping the last reference to a stream destroys it, which takes that lock.
     fn let_streams_go(&self) {
-        if !self.freed.load(Ordering::Acquire) || self.exports.load(Ordering::Relaxed) > 0 {
+        if !self.keeps_streams.load(Ordering::Acquire)
+            || !self.freed.load(Ordering::Acquire)
+            || self.exports.load(Ordering::Relaxed) > 0
+        {
             return;
         }
         let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|e| e.into_inner()));
@@ -178,6 +185,7 @@ impl PyDevicePtr {
         // A free on another thread since the record has let its streams go (see `let_streams_go`).
         if !self.freed.load(Ordering::Acquire) && !streams.iter().any(|s| s.is(stream)) {
             streams.push(stream.clone().unbind());
+            self.keeps_streams.store(true, Ordering::Release);
         }
         Ok(())
     }
