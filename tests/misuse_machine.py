@@ -361,6 +361,12 @@ class MisuseMachine(RuleBasedStateMachine):
         # pending block may go at any poll).
         if (waits or entry.uses & self.unsure) and entry.block:
             self.pending.append(Pending(entry.address, entry.block, waits, streams))
+        # The pointer let go of its streams: a dropped one no other pointer holds goes now.
+        for sid in [s.id for s in self.kept_by_pointers if not self.held_by_pointers(s.id)]:
+            log(f"(stream {sid} goes with the last pointer that held it)")
+            self.kept_by_pointers = [s for s in self.kept_by_pointers if s.id != sid]
+            gc.collect()
+            self.forgotten(sid)
 
     def observe_synchronizations(self) -> None:
         """Returning memory to the device (`cudaFree` semantics) and the out-of-memory ladder
@@ -451,7 +457,10 @@ class MisuseMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live())
     @rule(data=st.data(), how=st.sampled_from(["method", "pool", "with", "drop"]))
     def free(self, data, how):
-        entry = pick(data, self.live())
+        # Often the last pointer holding a stream the program dropped, which then goes too.
+        kept = {s.id for s in self.kept_by_pointers}
+        holders = [e for e in self.live() if e.stream in kept or e.uses & kept]
+        entry = pick(data, holders if holders and data.draw(st.booleans()) else self.live())
         exported = bool(self.exports_of(entry))
         if how == "drop" and exported:
             how = "method"  # exports keep the pointer alive: dropping our reference frees nothing
@@ -790,13 +799,14 @@ class MisuseMachine(RuleBasedStateMachine):
                 return
         stream = self.streams.pop(sid)
         if drop:
-            if any(entry.stream == sid or sid in entry.uses for entry in self.entries):
+            if self.held_by_pointers(sid):
                 # A pointer keeps the streams it was made or recorded on alive until its bytes are
-                # back in the pool (freed, no export left), so dropping the
-                # program's reference destroys nothing: the stream keeps its queued work until a
-                # synchronize. (The model keeps the object too, so that it is destroyed no
-                # earlier than the teardown, whichever pointer goes last; an imported stream's
-                # owner destroys it after that.)
+                # back in the pool (freed, no export left), so dropping the program's reference
+                # destroys nothing yet: the stream keeps its queued work. The model keeps the
+                # object too, and lets go of it when the last such pointer's bytes come back
+                # (`released`): then the pool destroys or forgets it, and an imported stream's
+                # owner may destroy it.
+                log(f"(stream {sid} kept by its pointers)")
                 self.kept_by_pointers.append(stream)
                 return
             del stream
@@ -818,6 +828,13 @@ class MisuseMachine(RuleBasedStateMachine):
                 if entry.stream == sid:
                     entry.stream = 0
                     entry.uses.discard(0)
+        self.forgotten(sid)
+
+    def held_by_pointers(self, sid: int) -> bool:
+        return any(entry.stream == sid or sid in entry.uses for entry in self.entries)
+
+    def forgotten(self, sid: int) -> None:
+        """The pool destroyed stream ``sid`` (waiting for it), or forgot an imported one."""
         if sid in self.imported:
             # Only forgotten: its owner destroys it when it likes, its queued work still running.
             self.orphans[self.imported.pop(sid)] = self.slots.pop(sid, None)
