@@ -844,11 +844,13 @@ def test_dlpack_ordering_leaves_captures_valid(fake):
         joined = export(other.handle)
         wait(side, other)
         report(refused=refused, ended=ended, blocking_ended=blocking_ended, joined=joined,
-               joined_ended=end(side), consumer_ended=consumer_ended)
+               joined_ended=end(side), consumer_ended=consumer_ended, side=side.id)
         """,
         fake,
     )
     assert all(e and "no order between streams can cross" in e for e in result["refused"]), result["refused"]
+    # A capturing consumer's stream has only a temporary id: the message names the allocation's.
+    assert f"cannot wait for stream {result['side']}, the allocation's" in result["refused"][3]
     assert result["ended"] == 0, "the consumer was pulled into the capture"
     assert result["blocking_ended"] == 0, "the legacy stream was used during a blocking stream's capture"
     assert result["consumer_ended"] == 0, "the capturing consumer waited for an event outside its capture"

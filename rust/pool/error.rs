@@ -150,8 +150,12 @@ pub enum Refused {
     Copy,
     /// A query, a wait or a destroy, which the driver forbids during capture.
     Wait,
-    /// An order between two streams across the capture's edge (a DLPack export's).
+    /// An order between two streams across the capture's edge (a DLPack export's), the stream
+    /// named capturing.
     Order,
+    /// The same, with the DLPack consumer's stream capturing; the stream named is the
+    /// allocation's, which the user knows (the consumer's has only a temporary id here).
+    Consumer,
     /// An order between streams of two different captures (a DLPack export's), which would merge
     /// them; the stream is the allocation's.
     Merge,
@@ -185,6 +189,13 @@ impl fmt::Display for PoolError {
                 f,
                 "stream {stream} is being captured into a CUDA graph: no order between streams can cross the \
                  capture's edge (export with stream=-1 for no ordering, or from a stream of the same capture)"
+            ),
+            PoolError::Capturing(stream, Refused::Consumer) => write!(
+                f,
+                "the DLPack consumer's stream is being captured into a CUDA graph (or is the legacy stream, \
+                 unusable while a blocking stream captures), so it cannot wait for stream {stream}, the \
+                 allocation's: no order between streams can cross the capture's edge (export with stream=-1 for \
+                 no ordering, or from a stream of the same capture)"
             ),
             PoolError::Capturing(stream, Refused::Merge) => write!(
                 f,

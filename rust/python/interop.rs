@@ -139,7 +139,7 @@ fn order_after(device: &mut dyn Device, producer: StreamId, waiter: StreamId) ->
         return Err(PoolError::Capturing(producer, Refused::Order));
     }
     if waiting && (!producing || waiter == DEFAULT_STREAM) {
-        return Err(PoolError::Capturing(waiter, Refused::Order));
+        return Err(PoolError::Capturing(producer, Refused::Consumer));
     }
     if producing && !same_capture(device, producer, waiter)? {
         return Err(PoolError::Capturing(producer, Refused::Merge));
