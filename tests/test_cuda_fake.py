@@ -955,9 +955,10 @@ def test_the_fake_refuses_a_wait_that_merges_two_captures(fake):
 
 
 def test_the_fake_counts_a_capture_waiting_for_outside_work(fake):
-    # The fake's own rule: a capturing stream's plain wait for an event recorded outside its
-    # capture breaks the capture's isolation (it would need CU_EVENT_WAIT_EXTERNAL). The driver
-    # invalidates the user's capture, so a pool that does it is counted.
+    # The fake's own rules: a capturing stream's plain wait for an event recorded outside its
+    # capture breaks the capture's isolation (it would need CU_EVENT_WAIT_EXTERNAL), and an
+    # event recorded in a capture cannot be queried or waited for on the host. The driver
+    # refuses both, and breaks the user's capture, so a pool that does either is counted.
     result = fake_driver.run(
         """
         use_context(0)
@@ -974,11 +975,25 @@ def test_the_fake_counts_a_capture_waiting_for_outside_work(fake):
         wait = lib.cuStreamWaitEvent(capturing, event, 0)
         graph = ctypes.c_void_p()
         end = lib.cuStreamEndCapture(capturing, ctypes.byref(graph))
-        report(clean=clean, wait=wait, end=end, counted=violations() - clean)
+        isolation = violations() - clean
+        assert lib.cuStreamBeginCapture_v2(capturing, 2) == 0
+        assert lib.cuEventRecord(event, capturing) == 0
+        host = [lib.cuEventQuery(event), lib.cuEventSynchronize(event)]
+        end_after_host = lib.cuStreamEndCapture(capturing, ctypes.byref(graph))
+        report(clean=clean, wait=wait, end=end, isolation=isolation, host=host, end_after_host=end_after_host,
+               captured=violations() - clean - isolation)
         """,
         fake,
     )
-    assert result == {"clean": 0, "wait": 905, "end": 901, "counted": 1}
+    assert result == {
+        "clean": 0,
+        "wait": 905,
+        "end": 901,
+        "isolation": 1,
+        "host": [907, 907],
+        "end_after_host": 901,
+        "captured": 2,
+    }
 
 
 def test_the_fake_counts_any_use_of_a_destroyed_event(fake):

@@ -20,11 +20,13 @@
  *     capture joins it, and a capture that ends before its joined streams rejoin it (the
  *     origin stream waits for an event recorded on them after their last work) is invalid; a
  *     capturing stream's plain wait for an event recorded outside the capture is a violation,
- *     which invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION); each capture sequence has an id (shared by the
- *     streams that joined it, cuStreamGetCaptureInfo_v2), and a capturing stream's wait for an
- *     event recorded in another capture would merge two independent captures: a violation,
- *     which invalidates both (CUDA_ERROR_STREAM_CAPTURE_MERGE); an invalidated capture is
- *     invalid on every stream in it;
+ *     which invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION); each capture
+ *     sequence has an id (shared by the streams that joined it, cuStreamGetCaptureInfo_v2),
+ *     and a capturing stream's wait for an event recorded in another capture would merge two
+ *     independent captures: a violation, which invalidates both
+ *     (CUDA_ERROR_STREAM_CAPTURE_MERGE); querying or synchronizing an event recorded in a
+ *     capture is a violation (CUDA_ERROR_CAPTURED_EVENT), which invalidates the capture if it
+ *     still runs; an invalidated capture is invalid on every stream in it;
  *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
  *     memory a pending kernel uses is a violation;
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
@@ -93,6 +95,7 @@ enum {
     CUDA_ERROR_STREAM_CAPTURE_MERGE = 902,
     CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
     CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
+    CUDA_ERROR_CAPTURED_EVENT = 907,
     CUDA_ERROR_UNKNOWN = 999,
 };
 
@@ -1184,9 +1187,12 @@ CUresult cuEventRecord(struct event *e, void *handle) {
     LEAVE;
 }
 
+/* A query or synchronize of an event last recorded in a capture: the driver refuses it
+ * (CUDA_ERROR_CAPTURED_EVENT), and this fake takes it as breaking a capture still running. */
 static CUresult captured_event(struct event *e) {
+    violation("a query or synchronize of an event recorded in a capture", 0, 0);
     if (e->stream) invalidate_capture(e->stream);
-    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return CUDA_ERROR_CAPTURED_EVENT;
 }
 
 CUresult cuEventQuery(struct event *e) {
