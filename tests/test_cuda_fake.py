@@ -956,9 +956,10 @@ def test_the_fake_refuses_a_wait_that_merges_two_captures(fake):
 
 def test_the_fake_counts_a_capture_waiting_for_outside_work(fake):
     # The fake's own rules: a capturing stream's plain wait for an event recorded outside its
-    # capture breaks the capture's isolation (it would need CU_EVENT_WAIT_EXTERNAL), and an
-    # event recorded in a capture cannot be queried or waited for on the host. The driver
-    # refuses both, and breaks the user's capture, so a pool that does either is counted.
+    # capture breaks the capture's isolation (it would need CU_EVENT_WAIT_EXTERNAL); an event
+    # recorded in a capture cannot be queried or waited for on the host, nor waited for by any
+    # stream once its capture has ended. The driver refuses these, the first two breaking the
+    # user's capture, so a pool that does any is counted.
     result = fake_driver.run(
         """
         use_context(0)
@@ -980,8 +981,9 @@ def test_the_fake_counts_a_capture_waiting_for_outside_work(fake):
         assert lib.cuEventRecord(event, capturing) == 0
         host = [lib.cuEventQuery(event), lib.cuEventSynchronize(event)]
         end_after_host = lib.cuStreamEndCapture(capturing, ctypes.byref(graph))
+        after_end = lib.cuStreamWaitEvent(outside, event, 0)
         report(clean=clean, wait=wait, end=end, isolation=isolation, host=host, end_after_host=end_after_host,
-               captured=violations() - clean - isolation)
+               after_end=after_end, captured=violations() - clean - isolation)
         """,
         fake,
     )
@@ -992,7 +994,8 @@ def test_the_fake_counts_a_capture_waiting_for_outside_work(fake):
         "isolation": 1,
         "host": [907, 907],
         "end_after_host": 901,
-        "captured": 2,
+        "after_end": 907,
+        "captured": 3,
     }
 
 

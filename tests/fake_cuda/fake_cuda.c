@@ -26,7 +26,8 @@
  *     independent captures: a violation, which invalidates both
  *     (CUDA_ERROR_STREAM_CAPTURE_MERGE); querying or synchronizing an event recorded in a
  *     capture is a violation (CUDA_ERROR_CAPTURED_EVENT), which invalidates the capture if it
- *     still runs; an invalidated capture is invalid on every stream in it;
+ *     still runs, and so is a wait for one whose capture has ended; an invalidated capture is
+ *     invalid on every stream in it;
  *   - cuMemFree does not wait for queued work (the driver documents only that it "may"): freeing
  *     memory a pending kernel uses is a violation;
  *   - cuInit before any other call, cuDriverGetVersion included; device handles distinct from
@@ -508,6 +509,13 @@ static struct op *new_op(enum op_kind kind, uintptr_t address, size_t size) {
     op->address = address;
     op->size = size;
     return op;
+}
+
+/* Whether capture sequence `id` is still running on some stream. */
+static int capture_running(unsigned long long id) {
+    for (int i = 0; i < MAX_ITEMS; i++)
+        if (streams[i] && streams[i]->capturing && streams[i]->capture_id == id) return 1;
+    return 0;
 }
 
 /* Invalidates the capture `s` is in, on every stream in it: the origin's end fails, and each
@@ -1034,6 +1042,12 @@ CUresult cuStreamWaitEvent(void *handle, struct event *e, unsigned int flags) {
     /* The legacy stream cannot join a capture: that is the disallowed implicit dependency on a
      * capture sequence from the legacy stream. */
     if (e->captured && e->stream && s == LEGACY) FAIL(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    /* An event recorded in a capture that has ended stands for a node of a finished graph: no
+     * stream can wait for it any more. */
+    if (e->captured && e->stream && !capture_running(e->capture_id)) {
+        violation("a wait for an event recorded in a capture that has ended", 0, 0);
+        FAIL(CUDA_ERROR_CAPTURED_EVENT);
+    }
     /* Waiting for an event recorded in a capture joins that capture: the stream's later work
      * goes into the graph, and the capture cannot end until the stream joins back. */
     if (e->captured && e->stream && !s->capturing) {
