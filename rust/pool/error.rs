@@ -150,8 +150,8 @@ pub enum Refused {
     Copy,
     /// A query, a wait or a destroy, which the driver forbids during capture.
     Wait,
-    /// An order between two streams across the capture's edge (a DLPack export's), the stream
-    /// named capturing.
+    /// An order between two streams across the capture's edge (a DLPack export's); the stream
+    /// named is the one capturing, the allocation's.
     Order,
     /// The same, with the DLPack consumer's stream capturing; the stream named is the
     /// allocation's, which the user knows (the consumer's has only a temporary id here).
