@@ -198,6 +198,7 @@ proptest! {
             "per_process_memory_fraction:0.5,garbage_collection_threshold:0.6",
             "per_process_memory_fraction:0.3,max_split_size_mb:20",
             "roundup_power2_divisions:[1:4,>:8],initial_pool_size_mb:48",
+            "initial_pool_size_mb:100,release_threshold:0.5",
         ][..]),
     ) {
         for config in configs(settings) {

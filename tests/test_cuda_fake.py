@@ -766,6 +766,32 @@ def test_default_maps_uneven_handles_through_the_driver(fake):
     assert result["unmapped"] == 2 and result["released"] == 2 and result["held"] == 0
 
 
+def test_the_initial_pool_is_mapped_when_the_pool_is_made(fake):
+    # On 8 GiB a handle holds at most 16 MiB while the device has room: 40 MiB is 16 + 16 + 8.
+    result = fake_driver.run(
+        """
+        pool = gpupool.Pool("cuda:0", config="initial_pool_size_mb:40")
+        made = (calls("cuMemCreate"), calls("cuMemMap"), calls("cuMemSetAccess"), pool.device_memory_held())
+        ptr = pool.alloc(30 << 20)
+        ptr.copy_from_host(b"front", offset=(30 << 20) - 5)
+        data = ptr.copy_to_host()[-5:]
+        after = (calls("cuMemMap"), pool.memory_reserved())
+        del ptr
+        pool.empty_cache()
+        pool.check_invariants()
+        report(made=made, after=after, data=data.decode(), unmapped=calls("cuMemUnmap"),
+               released=calls("cuMemRelease"), held=pool.device_memory_held(), violations=violations())
+        """,
+        fake,
+        memory=8 << 30,
+    )
+    assert result["made"] == [3, 3, 1, 40 * MiB]
+    assert result["after"] == [3, 40 * MiB], "a request within the initial pool maps nothing"
+    assert result["data"] == "front"
+    assert result["unmapped"] == 3 and result["released"] == 3 and result["held"] == 0
+    assert result["violations"] == 0
+
+
 def test_cuda_array_interface_and_dlpack_on_cuda(fake):
     result = fake_driver.run(
         """

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import gpupool
 from pool_checks import STRATEGIES, MiB, check_pool
@@ -78,6 +80,48 @@ def test_strategies_differ_where_their_frameworks_do():
     assert segment_sizes(direct) == [1024]
     ptr.free()
     assert direct.memory_reserved() == 0
+
+
+# The paged strategies' pre-allocation unit: a page, or PyTorch's 20 MiB handle.
+PAGED_UNIT = {"default": 2 * MiB, "pages": 2 * MiB, "expandable": 20 * MiB}
+
+
+@given(
+    strategy=st.sampled_from(sorted(PAGED_UNIT)),
+    initial_mb=st.integers(0, 300),
+    capacity_mb=st.integers(16, 512),
+    fraction=st.sampled_from([None, 0.5]),
+    sizes_mb=st.lists(st.integers(3, 40), max_size=8),
+)
+def test_paged_strategies_map_the_initial_pool_when_made(strategy, initial_mb, capacity_mb, fraction, sizes_mb):
+    """`initial_pool_size_mb` under a paged strategy: that much memory, capped by the device and
+    the memory fraction, in whole units, mapped before any request, then served with no device
+    call, and given back by `empty_cache`."""
+    config = f"strategy:{strategy},initial_pool_size_mb:{initial_mb}"
+    if fraction is not None:
+        config += f",per_process_memory_fraction:{fraction}"
+    pool = sim(config, capacity=f"{capacity_mb}MiB")
+    allowed = capacity_mb * MiB if fraction is None else int(capacity_mb * MiB * fraction)
+    unit = PAGED_UNIT[strategy]
+    initial = min(initial_mb * MiB, allowed) // unit * unit
+    assert pool.memory_reserved() == initial
+    assert pool.memory_stats()["num_device_map"] == (initial > 0)
+    assert pool.config["initial_pool_size_mb"] == initial_mb
+    # Requests that fit in the mapped front, above the small pools' sizes, map nothing more.
+    live, used = [], 0
+    for size in (mb * MiB for mb in sizes_mb):
+        if used + size > initial:
+            break
+        live.append(pool.alloc(size))
+        used += size
+    stats = pool.memory_stats()
+    assert (pool.memory_reserved(), stats["num_device_map"]) == (initial, initial > 0)
+    assert stats["allocated_bytes.all.current"] == used
+    check_pool(pool, live)
+    for ptr in live:
+        ptr.free()
+    pool.empty_cache()
+    assert pool.memory_reserved() == 0
 
 
 def test_the_release_watermark_gives_idle_segments_back():

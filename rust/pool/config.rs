@@ -20,8 +20,9 @@
 //! - `release_threshold` [0, 1]: after a free (and after a synchronize or a stream's destroy
 //!   completes waiting frees), while free-but-reserved bytes exceed this share of reserved
 //!   bytes, fully free segments go back to the device, oldest first.
-//! - `initial_pool_size_mb`: a segment obtained when the pool is made (capped by capacity);
-//!   `arena` grows by this unit too (default 1024).
+//! - `initial_pool_size_mb`: memory obtained when the pool is made (capped by capacity): a
+//!   segment, or under the paged strategies that much of the large range's pages, mapped (whole
+//!   pages); `arena` grows by this unit too (default 1024).
 //! - `page_size_mb`: the mapping unit of the paged strategies, a power of two: `default` and
 //!   `pages` map 2 MiB pages by default; `expandable` maps PyTorch's handles, 20 MiB in the large
 //!   pool and 2 MiB in the small one, and this key sets both. On CUDA each is rounded up to the

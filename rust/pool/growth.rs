@@ -92,11 +92,11 @@ impl<D: Device> Pool<D> {
     }
 
     /// Obtains `initial_pool_size` bytes (capped by what the device and the limit can give) as
-    /// one segment any stream may use. A refusal is retried once, then the pool grows on demand
-    /// instead.
+    /// one segment any stream may use, or as pages (see [`Pool::premap`]). A refusal is retried
+    /// once, then the pool grows on demand instead.
     pub(super) fn preallocate(&mut self) {
         if self.expandable.is_some() {
-            return;
+            return self.premap();
         }
         let granule = self.heap.rules().granule;
         let size = self.config.initial_pool_size.min(self.available()) & !(granule - 1);
@@ -115,5 +115,27 @@ impl<D: Device> Pool<D> {
             Err(_) => return,
         };
         self.heap.add_shared_segment(address, size, PoolKind::Large);
+    }
+
+    /// The paged strategies' pre-allocation: the large range, reserved now, with its first
+    /// `initial_pool_size` bytes mapped (whole pages, capped as above), free space of every
+    /// stream as the rest of the range is. Kept like any mapped page: under pressure, on
+    /// `empty_cache` or past the release watermark its free handles go back. A refusal leaves
+    /// the pages to be mapped on demand.
+    fn premap(&mut self) {
+        let Some(page) = self.config.paging.map(|paging| paging.page_of(PoolKind::Large)) else { return };
+        let size = self.config.initial_pool_size.min(self.available()) / page * page;
+        let Some(pages) = self.expandable.as_mut().filter(|_| size > 0) else { return };
+        let Ok(segment) = pages.grow(&mut self.device, &mut self.heap, PoolKind::Large, DEFAULT_STREAM, size) else {
+            return;
+        };
+        // Exactly those pages: no map-ahead past them.
+        let (base, limit) = (self.heap.block_at(self.heap.segment_head(segment)).address, self.growth.limit);
+        let end = base + size;
+        let (device, heap) = (&mut self.device, &mut self.heap);
+        if pages.ensure_mapped(device, heap, segment, base, size, end, DEFAULT_STREAM, limit).is_err() {
+            heap.stats_mut().num_alloc_retries += 1;
+            let _ = pages.ensure_mapped(device, heap, segment, base, size, end, DEFAULT_STREAM, limit);
+        }
     }
 }
