@@ -213,11 +213,21 @@ def test_the_environment_variable_applies_when_config_is_none(monkeypatch):
         # serve no smaller request (a second 100 B allocation failed on a 1 GiB device).
         ("strategy:arena,max_split_size_mb:20", "max_split_size_mb"),
         ("strategy:bfc,max_split_size_mb:64", "max_split_size_mb"),
+        # Keys of the paged strategies' pages, with a strategy of plain segments.
+        ("strategy:pytorch,page_size_mb:4", "'page_size_mb' applies to the paged strategies"),
+        ("strategy:bfc,shareable_handle:posix_fd", "'shareable_handle' applies to the paged"),
+        ("backend:cudaMallocAsync,peer_access:[1]", "'peer_access' applies to .* not to strategy 'direct'"),
+        ("expandable_segments:False,page_size_mb:2", "'page_size_mb'"),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_key(config, key):
     with pytest.raises(ValueError, match=key):
         sim(config)
+
+
+def test_paged_keys_at_their_defaults_combine_with_any_strategy():
+    for strategy in STRATEGIES:
+        assert sim(f"strategy:{strategy},shareable_handle:none").config["shareable_handle"] == "none"
 
 
 @pytest.mark.parametrize("complete", ["stream.synchronize", "stream.destroy", "pool.synchronize"])

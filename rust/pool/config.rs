@@ -30,6 +30,8 @@
 //! - `shareable_handle`: `none` (default) or `posix_fd`: CUDA pages exportable as file
 //!   descriptors (IPC, NCCL peer-to-peer).
 //! - `peer_access`: `[1,2]`: devices granted read/write access to CUDA pages.
+//! - These three keys (`shareable_handle` other than `none`, `peer_access` other than `[]`) with a
+//!   strategy of plain segments are an error: they would do nothing there.
 //! - `cross_stream_reuse`: `never`, `completed` (default) or `wait`.
 //! - PyTorch's keys for its pinned host memory, CUDA graphs, address-space reserve and
 //!   `throw_on_cudamalloc_oom` are validated and accepted without effect on device memory

@@ -222,6 +222,21 @@ impl Keys {
             Strategy::Default => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pager }),
             _ => None,
         };
+        // These shape the paged strategies' physical memory. The others allocate plain segments
+        // (shared between processes through CUDA IPC handles, without `shareable_handle`), where
+        // such a key would be accepted and do nothing.
+        let paged_only = [
+            ("page_size_mb", self.page_size_mb.is_some()),
+            ("shareable_handle", self.mapping.shareable),
+            ("peer_access", !self.mapping.peers.is_empty()),
+        ];
+        if let Some((key, _)) = paged_only.into_iter().find(|&(_, set)| set && paging.is_none()) {
+            return Err(ConfigError(format!(
+                "config key '{key}' applies to the paged strategies (default, expandable, pages), not to \
+                 strategy '{}', which allocates plain segments",
+                strategy.name()
+            )));
+        }
         if strategy == Strategy::Default {
             // A page holds many blocks of at most an eighth of it: apart from the large blocks
             // they pin few pages, and split no hole a large request could reuse. Larger blocks
