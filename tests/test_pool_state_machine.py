@@ -133,6 +133,13 @@ class WatermarkSimPoolMachine(SimPoolMachine):
     extra_config = "release_threshold:0.25,per_process_memory_fraction:0.75"
 
 
+class InitialPoolHostPoolMachine(HostPoolMachine):
+    """Memory obtained when the pool is made (a segment, or mapped pages): data written to
+    blocks carved from it reads back intact, and `empty_cache` gives it back once free."""
+
+    extra_config = "initial_pool_size_mb:48"
+
+
 # Examples per strategy: the suites together stay within a few minutes on two cores.
 for _strategy in STRATEGIES:
     for _machine, _examples, _steps in (
@@ -140,6 +147,7 @@ for _strategy in STRATEGIES:
         (SimPoolMachine, 50, 80),
         (SplitCappedSimPoolMachine, 25, 80),
         (WatermarkSimPoolMachine, 25, 80),
+        (InitialPoolHostPoolMachine, 15, 50),
     ):
         if _machine is SplitCappedSimPoolMachine and _strategy in ("bfc", "arena"):
             continue  # they refuse a split limit (test_strategies.py)
