@@ -1275,6 +1275,9 @@ class MisuseMachine(RuleBasedStateMachine):
             for handle in [*self.imported.values(), *self.orphans]:
                 FAKE.destroy_stream(handle)
             FAKE.check()
+        # What outlives this program (Hypothesis's records of it) is never garbage of the next:
+        # the collections above and in the next program need not scan it again.
+        gc.freeze()
 
 
 def _configured_case():
