@@ -68,7 +68,8 @@ def property_round(seed: int, deadline: float) -> str | None:
     rust = [
         "cargo",
         "test",
-        "--release",
+        "--profile",
+        "checked",
         "-q",
         "--test",
         "pool_model",
