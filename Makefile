@@ -13,10 +13,10 @@ install: .venv/.installed
 	touch $@
 
 # `--features cuda` adds the cuda backend's tests against the fake driver (tests/cuda_fake.rs); no GPU needed.
-# pytest runs one worker per core (pytest-xdist): each test builds its own pools and fakes.
+# pytest runs one worker per core, at most eight (pytest-xdist): each test builds its own pools and fakes.
 test: install
 	cargo test --profile checked --features cuda
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --maxprocesses 8
 
 lint: install
 	$(PY) -m pip install -q ruff
