@@ -1,6 +1,6 @@
 """Placement bound: the address space a trace needs when freed memory is never given back.
 
-Usage: python benches/placement_bound.py FILE ...      (RMM CSVs, PyTorch snapshot pickles)
+Usage: python benches/placement_bound.py [--ends] FILE ...      (RMM CSVs, PyTorch snapshot pickles)
 
 A pool that keeps every page it maps (what the default does on a device that never refuses)
 holds at its peak at least every page below the highest address its placement ever used. This
@@ -17,6 +17,12 @@ at once, which only helps). Per FILE it prints the peak live bytes of those bloc
 high water rounded up to 2 MiB pages, the default's peak reserved on an unlimited device and
 goal 1's bound for it (1.01x its min capacity + 20 MiB, issue 13). Where every rule's high
 water is above the bound, no rule of these meets it without unmapping memory that holes hold.
+
+With `--ends` it prints a second table instead: best fit, with the end of a hole the block
+does not fill chosen by its neighbours there (END_RULES): against the larger, the smaller, the
+younger (allocated later) or the older one, against the larger only where it is also the
+younger or the older, or against the one closest to the block's size. The rest of the hole then
+lies next to the other neighbour, and merges when that one is freed.
 
 For contrast it also places the same blocks with foresight, as a static memory planner does
 before a run: largest first, each at the lowest address free for its whole lifetime (greedy by
@@ -38,6 +44,31 @@ PAGE = 2 * MiB
 GRANULE = 512
 TINY = 256 << 10
 RULES = ("best fit", "first fit", "worst fit", "best fit, back", "next fit")
+END_RULES = ("larger", "smaller", "younger", "older", "larger and younger", "larger and older", "closest size")
+
+
+def against_high(rule: str, size: int, low: tuple[int, int] | None, high: tuple[int, int] | None) -> bool:
+    """Whether a block of `size` goes to the back of a hole, against `high` (the live block
+    after it) rather than `low` (the one before, `None` at address 0); each is (size, serial)."""
+    if high is None:
+        return False
+    low_size, low_serial = low if low is not None else (1 << 62, -1)
+    larger = high[0] > low_size
+    if rule == "larger":
+        return larger
+    if rule == "smaller":
+        return high[0] < low_size
+    if rule == "younger":
+        return high[1] > low_serial
+    if rule == "older":
+        return high[1] < low_serial
+    if rule == "larger and younger":
+        return larger and high[1] > low_serial
+    if rule == "larger and older":
+        return larger and high[1] < low_serial
+    if rule == "closest size":
+        return abs(high[0] - size) < abs(low_size - size)
+    raise ValueError(f"unknown end rule {rule!r}")
 
 
 class AddressSpace:
@@ -49,8 +80,18 @@ class AddressSpace:
         self.top = 0
         self.high_water = 0
         self.cursor = 0
+        # Live blocks as (size, serial), by start and by end: the END_RULES' neighbours.
+        self.starting: dict[int, tuple[int, int]] = {}
+        self.ending: dict[int, tuple[int, int]] = {}
+        self.serial = 0
 
     def place(self, size: int) -> int:
+        at = self.choose(size)
+        self.serial += 1
+        self.starting[at] = self.ending[at + size] = (size, self.serial)
+        return at
+
+    def choose(self, size: int) -> int:
         fits = [(i, start, length) for i, (start, length) in enumerate(self.holes) if length >= size]
         if not fits:
             return self.place_on_top(size)
@@ -64,7 +105,11 @@ class AddressSpace:
         else:
             i, start, length = min(fits, key=lambda f: (f[2], f[1]))
         del self.holes[i]
-        at = start + length - size if self.rule == "best fit, back" else start
+        if self.rule in END_RULES:
+            back = against_high(self.rule, size, self.ending.get(start), self.starting.get(start + length))
+        else:
+            back = self.rule == "best fit, back"
+        at = start + length - size if back else start
         if at > start:
             bisect.insort(self.holes, (start, at - start))
         if at + size < start + length:
@@ -81,6 +126,7 @@ class AddressSpace:
         return at
 
     def free(self, at: int, size: int) -> None:
+        del self.starting[at], self.ending[at + size]
         i = bisect.bisect(self.holes, (at, 0))
         start, end = at, at + size
         if i < len(self.holes) and self.holes[i][0] == end:
@@ -93,9 +139,9 @@ class AddressSpace:
             bisect.insort(self.holes, (start, end - start))
 
 
-def high_waters(events: Iterable[Event]) -> tuple[int, dict[str, int]]:
+def high_waters(events: Iterable[Event], rules: tuple[str, ...] = RULES) -> tuple[int, dict[str, int]]:
     """Peak live bytes of the large-range blocks, and each rule's high water in bytes."""
-    spaces = {rule: AddressSpace(rule) for rule in RULES}
+    spaces = {rule: AddressSpace(rule) for rule in rules}
     placed: dict[int, tuple[int, dict[str, int]]] = {}
     live = peak = 0
     for event in events:
@@ -162,25 +208,31 @@ def high_water_with_foresight(blocks: list[tuple[int, int, int]]) -> int:
     return max((at + size for at, (_, _, size) in zip(plan_with_foresight(blocks), blocks, strict=True)), default=0)
 
 
+def pages(water: int) -> str:
+    """`water` bytes rounded up to 2 MiB pages, in MiB."""
+    return f"{-(-water // PAGE) * PAGE / MiB:,.0f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
+    parser.add_argument("--ends", action="store_true", help="best fit with each of END_RULES instead")
     args = parser.parse_args()
-    print("| trace (MiB) | peak live | " + " | ".join(RULES) + " | with foresight | default, peak reserved | bound |")
-    print("|---|---:|" + "---:|" * len(RULES) + "---:|---:|---:|")
+    rules = ("best fit", *END_RULES) if args.ends else RULES
+    tail = ["bound"] if args.ends else ["with foresight", "default, peak reserved", "bound"]
+    print("| trace (MiB) | peak live | " + " | ".join([*rules, *tail]) + " |")
+    print("|---|---:|" + "---:|" * (len(rules) + len(tail)))
     for path in args.files:
         trace = load(path)
-        peak, waters = high_waters(trace)
+        peak, waters = high_waters(trace, rules)
         least = replay(trace, "strategy:default", min_capacity=True).min_capacity_bytes or 0
-        reserved = replay(trace, "strategy:default").peak_reserved_bytes
-        bound = 1.01 * least + 20 * MiB
-        planned = high_water_with_foresight(lifetimes(trace))
-        cells = [f"{-(-water // PAGE) * PAGE / MiB:,.0f}" for water in [*(waters[rule] for rule in RULES), planned]]
+        cells = [pages(waters[rule]) for rule in rules]
+        if not args.ends:
+            cells.append(pages(high_water_with_foresight(lifetimes(trace))))
+            cells.append(f"{replay(trace, 'strategy:default').peak_reserved_bytes / MiB:,.0f}")
+        cells.append(f"{(1.01 * least + 20 * MiB) / MiB:,.1f}")
         name = os.path.basename(path).split(".")[0][:48]
-        print(
-            f"| {name} | {peak / MiB:,.1f} | " + " | ".join(cells) + f" | {reserved / MiB:,.0f} | {bound / MiB:,.1f} |",
-            flush=True,
-        )
+        print(f"| {name} | {peak / MiB:,.1f} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

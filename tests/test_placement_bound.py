@@ -16,7 +16,7 @@ from gpupool.trace import Event, load, replay
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 placement_bound = bench_scripts.load("placement_bound")
-AddressSpace, RULES = placement_bound.AddressSpace, placement_bound.RULES
+AddressSpace, RULES, END_RULES = placement_bound.AddressSpace, placement_bound.RULES, placement_bound.END_RULES
 
 MiB = 1 << 20
 
@@ -49,13 +49,45 @@ def test_a_block_no_hole_holds_goes_on_top_and_raises_the_high_water():
     assert (space.top, space.high_water) == (10, 10)
 
 
+def hole_between(rule: str, low_size: int, high_size: int, low_younger: bool) -> AddressSpace:
+    """A hole of 4 at `low_size` between a live block of `low_size` at 0 and one of `high_size`,
+    the one below placed before the one above or, with `low_younger`, after it."""
+    space, at = space_with_holes("best fit", [low_size, 4, high_size], [1, 0] if low_younger else [1])
+    if low_younger:
+        assert space.place(low_size) == at[0]
+    space.rule = rule
+    return space
+
+
+@pytest.mark.parametrize(
+    ("rule", "older_small_low", "older_large_low", "younger_small_low"),
+    [
+        ("larger", "back", "front", "back"),
+        ("smaller", "front", "back", "front"),
+        ("younger", "back", "back", "front"),
+        ("older", "front", "front", "back"),
+        ("larger and younger", "back", "front", "front"),
+        ("larger and older", "front", "front", "back"),
+        ("closest size", "front", "back", "front"),
+    ],
+)
+def test_each_end_rule_picks_its_end_of_the_hole(rule, older_small_low, older_large_low, younger_small_low):
+    # A block of 2 in a hole of 4 at 1: its front is 1, its back 3. Above the hole a block of 3,
+    # or of 1 where the block below is of 5 (then the hole is at 5: front 5, back 7).
+    cases = [(1, 3, False, older_small_low), (5, 1, False, older_large_low), (1, 3, True, younger_small_low)]
+    for low_size, high_size, low_younger, end in cases:
+        space = hole_between(rule, low_size, high_size, low_younger)
+        assert space.holes == [(low_size, 4)]
+        assert space.place(2) == low_size + (0 if end == "front" else 2), (low_size, high_size, low_younger)
+
+
 programs = st.lists(
     st.tuples(st.booleans(), st.integers(min_value=1, max_value=64), st.integers(min_value=0, max_value=10**6)),
     max_size=120,
 )
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", RULES + END_RULES)
 @given(program=programs)
 def test_placements_never_overlap_and_frees_coalesce(rule, program):
     space, live, peak = AddressSpace(rule), {}, 0
@@ -146,9 +178,10 @@ def test_foresight_puts_a_long_lived_block_above_a_larger_one_still_to_come():
 
 @pytest.mark.skipif(not (SHARED / "traces").is_dir(), reason="../shared is absent")
 def test_only_foresight_keeps_bert_serve_varbatch_under_goal_1s_peak_bound():
+    # Neither a rule that picks the hole nor one that picks the end of a best-fit hole does.
     trace = load(SHARED / "traces" / "bert_serve_varbatch.csv.gz")
     least = replay(trace, "strategy:default", min_capacity=True).min_capacity_bytes
-    _, waters = placement_bound.high_waters(trace)
+    _, waters = placement_bound.high_waters(trace, RULES + END_RULES)
     bound = 1.01 * least + 20 * MiB
     assert min(waters.values()) > bound
     planned = placement_bound.high_water_with_foresight(placement_bound.lifetimes(trace))
