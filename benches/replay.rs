@@ -8,6 +8,7 @@ use common::{bench_warm_replay, criterion_config, GpuPool, OffsetAlloc, Op, Prog
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
 use gpupool::device::Sim;
 use gpupool::pool::{Config, Pool};
+use gpupool::trace::replay::JobActions;
 use gpupool::trace::{csv, replay, Action, Trace};
 use std::path::Path;
 
@@ -49,7 +50,10 @@ fn replay_bench(c: &mut Criterion) {
         for strategy in ["default", "pytorch", "expandable", "pages", "bfc", "arena", "eager", "direct"] {
             let config = Config::parse(&format!("strategy:{strategy}")).unwrap();
             group.bench_function(BenchmarkId::new(format!("trace::replay/{strategy}"), label), |b| {
-                b.iter(|| replay::replay(&trace, &mut Pool::new(Sim::new(1 << 40), config.clone()), None).unwrap())
+                b.iter(|| {
+                    replay::replay(&trace, &mut Pool::new(Sim::new(1 << 40), config.clone()), None, JobActions::Honour)
+                        .unwrap()
+                })
             });
         }
         let program = program(&trace);

@@ -463,7 +463,7 @@ fn random_sizes(seed: u64, ops: usize, live: u64) -> Trace {
 fn random_sizes_fit_near_where_the_reference_pager_fits() {
     for seed in [1, 4, 5] {
         let trace = random_sizes(seed, 8000, 2000 * MIB);
-        let pages = min_capacity(&trace, &config("pages"), 0.0002).unwrap().expect("the pager fits somewhere");
+        let pages = min_capacity(&trace, &config("pages"), 0.0002).unwrap().expect("the pager fits somewhere").bytes;
         let near = (pages as f64 * 1.005) as u64;
         let metrics = replay_sim(&trace, &config("default"), near).unwrap();
         assert_eq!(metrics.ooms, 0, "seed {seed}: the reference pager needs {} MiB", pages >> 20);

@@ -3,7 +3,7 @@
 //! against the recorded run and to find the allocation sites at the peak.
 
 use super::error::{pool_error, value_error};
-use super::replay::{PyReplayResult, TIMELINE_POINTS};
+use super::replay::{job_actions, PyReplayResult, TIMELINE_POINTS};
 use super::trace::PyTrace;
 use crate::core::PoolKind;
 use crate::device::Sim;
@@ -27,12 +27,14 @@ type FromStartTuple = (PyReplayResult, Vec<(&'static str, u64)>, usize);
 
 /// Replays `trace` with `config` (plain segments only) on a `sim` device of `capacity` bytes
 /// (unlimited by default), from the segments in `start` and the trace's prelude blocks where
-/// they were recorded; with `min_capacity`, also searches for the smallest capacity that runs
-/// it so. Returns the result,
+/// they were recorded, repeating what `job` names of the job's own actions (`honour`, or
+/// `as_run` for the configuration that ran); with `min_capacity`, also searches for the
+/// smallest capacity that runs it so. Returns the result,
 /// the pool's segment decisions `(action, size)` in order (with `decisions`), and how many
 /// prelude blocks had to be allocated because no start segment held them.
 #[pyfunction]
-#[pyo3(signature = (trace, config, start, min_capacity = false, decisions = false, capacity = None))]
+#[pyo3(signature = (trace, config, start, min_capacity = false, decisions = false, capacity = None, job = "honour"))]
+#[allow(clippy::too_many_arguments)]
 pub fn replay_from_start(
     py: Python<'_>,
     trace: &PyTrace,
@@ -41,7 +43,9 @@ pub fn replay_from_start(
     min_capacity: bool,
     decisions: bool,
     capacity: Option<u64>,
+    job: &str,
 ) -> PyResult<FromStartTuple> {
+    let job = job_actions(job)?;
     let parsed = Config::parse(config).map_err(value_error)?;
     let segments: Vec<StartSegment> = start
         .into_iter()
@@ -55,14 +59,14 @@ pub fn replay_from_start(
         .detach(move || {
             let mut timeline = Timeline::new(events.events().len(), TIMELINE_POINTS);
             let mut pool = Pool::new(Sim::new(capacity.unwrap_or(u64::MAX)), parsed.clone());
-            let run = start::replay_from_start(&events, &segments, &mut pool, Some(&mut timeline), decisions)?;
+            let run = start::replay_from_start(&events, &segments, &mut pool, Some(&mut timeline), decisions, job)?;
             let min = if min_capacity {
                 // An unlimited run is the search's first step; after a limited one it is redone.
                 let unlimited = match capacity {
                     None => run.metrics.clone(),
-                    Some(_) => start::replay_from_start_sim(&events, &segments, &parsed, u64::MAX)?.metrics,
+                    Some(_) => start::replay_from_start_sim(&events, &segments, &parsed, u64::MAX, job)?.metrics,
                 };
-                start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, ADVICE_TOLERANCE)?
+                start::min_capacity_from_start(&events, &segments, &parsed, &unlimited, ADVICE_TOLERANCE, job)?
             } else {
                 None
             };

@@ -362,8 +362,10 @@ impl PyPool {
         Ok(())
     }
 
-    /// Writes the recorded history as an RMM logging CSV, gzip-compressed if `path` ends in `.gz`.
-    fn dump_trace(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    /// Writes the recorded history as an RMM logging CSV, gzip-compressed if `path` ends in `.gz`;
+    /// returns how many of the job's releases of cached memory (`empty_cache()` calls and the
+    /// out-of-memory path's) RMM's format could not say and were left out.
+    fn dump_trace(&self, py: Python<'_>, path: PathBuf) -> PyResult<usize> {
         let trace = {
             let mut pool = self.shared.lock(py)?;
             let history =

@@ -3,8 +3,9 @@
 use super::device::{capacity_arg, open_device};
 use super::error::{pool_error, value_error};
 use super::trace::PyTrace;
+use crate::device::Sim;
 use crate::pool::{Config, Pool};
-use crate::trace::replay::{min_capacity as search_min_capacity, min_capacity_after, replay as run, Metrics, Timeline};
+use crate::trace::replay::{min_capacity_after, replay as run, JobActions, Metrics, MinCapacity, Timeline};
 use pyo3::prelude::*;
 
 /// Enough points for a plot as wide as a screen.
@@ -21,8 +22,19 @@ pub struct PyReplayResult {
     device: String,
     capacity: Option<u64>,
     metrics: Metrics,
-    min_capacity: Option<u64>,
+    min_capacity: Option<MinCapacity>,
     timeline: Timeline,
+}
+
+/// How much of the job's own actions a replay repeats, by name: `ignore`, `honour` (the
+/// default) or `as_run` (see [`JobActions`]).
+pub(super) fn job_actions(name: &str) -> PyResult<JobActions> {
+    match name {
+        "ignore" => Ok(JobActions::Ignore),
+        "honour" => Ok(JobActions::Honour),
+        "as_run" => Ok(JobActions::AsRun),
+        other => Err(value_error(format!("job must be 'ignore', 'honour' or 'as_run', not {other:?}"))),
+    }
 }
 
 impl PyReplayResult {
@@ -32,7 +44,7 @@ impl PyReplayResult {
         config: &str,
         capacity: Option<u64>,
         metrics: Metrics,
-        min_capacity: Option<u64>,
+        min_capacity: Option<MinCapacity>,
         timeline: Timeline,
     ) -> Self {
         let (trace, config, device) = (trace.name().to_string(), config.to_string(), "sim".to_string());
@@ -111,6 +123,19 @@ impl PyReplayResult {
         self.metrics.ooms
     }
 
+    /// Of `ooms`, the requests that failed when the trace was recorded too.
+    #[getter]
+    fn ooms_as_recorded(&self) -> u64 {
+        self.metrics.ooms_as_recorded
+    }
+
+    /// The job's releases of cached memory the replay repeated (`empty_cache()` calls, and
+    /// with `job='as_run'` the out-of-memory path's).
+    #[getter]
+    fn releases(&self) -> u64 {
+        self.metrics.releases
+    }
+
     #[getter]
     fn seconds(&self) -> f64 {
         self.metrics.seconds
@@ -127,7 +152,14 @@ impl PyReplayResult {
     /// an unlimited device runs on none.
     #[getter]
     fn min_capacity_bytes(&self) -> Option<u64> {
-        self.min_capacity
+        self.min_capacity.map(|m| m.bytes)
+    }
+
+    /// Whether the bisection's answer did not hold when checked (the trace failed on it, or
+    /// also ran a search tolerance below it) and a search past it found `min_capacity_bytes`.
+    #[getter]
+    fn min_capacity_corrected(&self) -> bool {
+        self.min_capacity.is_some_and(|m| m.corrected)
     }
 
     /// The trace's peak live bytes over the smallest capacity that fits it.
@@ -144,6 +176,20 @@ impl PyReplayResult {
         (t.event_index.clone(), t.reserved_bytes.clone(), t.live_bytes.clone())
     }
 
+    /// The recorded run's reserved bytes at the points of `timeline`, where the trace's
+    /// snapshot recorded its segments (an empty list otherwise).
+    #[getter]
+    fn recorded_reserved_bytes(&self) -> Vec<u64> {
+        self.timeline.recorded_bytes.clone()
+    }
+
+    /// The most the replay's reserved bytes differed from the recorded run's at any event;
+    /// `None` where the trace does not know the recorded ones.
+    #[getter]
+    fn largest_gap_bytes(&self) -> Option<u64> {
+        self.timeline.largest_gap_bytes
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "ReplayResult(trace={:?}, config={:?}, peak_live_bytes={}, peak_reserved_bytes={}, utilization={:.3}, ooms={})",
@@ -157,10 +203,12 @@ impl PyReplayResult {
     }
 }
 
-/// Replays `trace` on a fresh pool over `device` (`sim` without a capacity is unlimited); with
-/// `min_capacity`, also bisects for the smallest `sim` capacity without an OOM.
+/// Replays `trace` on a fresh pool over `device` (`sim` without a capacity is unlimited),
+/// repeating what `job` names of the job's own actions; with `min_capacity`, also bisects for
+/// the smallest `sim` capacity without an OOM.
 #[pyfunction]
-#[pyo3(signature = (trace, config = None, capacity = None, min_capacity = false, device = "sim", tolerance = None))]
+#[pyo3(signature = (trace, config = None, capacity = None, min_capacity = false, device = "sim", tolerance = None, job = "honour"))]
+#[allow(clippy::too_many_arguments)]
 pub fn replay(
     py: Python<'_>,
     trace: &PyTrace,
@@ -169,7 +217,9 @@ pub fn replay(
     min_capacity: bool,
     device: &str,
     tolerance: Option<f64>,
+    job: &str,
 ) -> PyResult<PyReplayResult> {
+    let job = job_actions(job)?;
     let tolerance = tolerance.unwrap_or(MIN_CAPACITY_TOLERANCE);
     if !(tolerance > 0.0 && tolerance < 1.0) {
         return Err(value_error(format!("tolerance must lie between 0 and 1, not {tolerance}")));
@@ -187,11 +237,14 @@ pub fn replay(
     let (metrics, min_capacity, timeline) = py
         .detach(move || {
             let mut timeline = Timeline::new(events.events().len(), TIMELINE_POINTS);
-            let metrics = run(&events, &mut Pool::new(backend, parsed.clone()), Some(&mut timeline))?;
+            let metrics = run(&events, &mut Pool::new(backend, parsed.clone()), Some(&mut timeline), job)?;
             let min = match (min_capacity, unlimited) {
                 (false, _) => None,
-                (true, true) => min_capacity_after(&events, &parsed, &metrics, tolerance)?,
-                (true, false) => search_min_capacity(&events, &parsed, tolerance)?,
+                (true, true) => min_capacity_after(&events, &parsed, &metrics, tolerance, job)?,
+                (true, false) => {
+                    let unlimited = run(&events, &mut Pool::new(Sim::new(u64::MAX), parsed.clone()), None, job)?;
+                    min_capacity_after(&events, &parsed, &unlimited, tolerance, job)?
+                }
             };
             Ok((metrics, min, timeline))
         })

@@ -2,7 +2,7 @@
 
 use super::error::value_error;
 use crate::pool::{HistoryAction, HistoryEntry};
-use crate::trace::{csv, Trace, TraceBuilder};
+use crate::trace::{csv, job, Trace};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::path::PathBuf;
@@ -28,29 +28,43 @@ impl PyTrace {
     }
 
     /// Builds a trace from PyTorch snapshot entries, after allocating `live_before` (blocks
-    /// allocated before recording began, as `(addr, size, stream)`) at its start. Errors name
-    /// `name` and the entry's index.
+    /// allocated before recording began, as `(addr, size, stream)`) at its start; releases of
+    /// cached memory become the job's events (`gpupool.trace` says which). `final_reserved` is
+    /// what the snapshot's segments of the device hold: the start of the recorded reserved
+    /// bytes. Errors name `name` and the entry's index.
     #[staticmethod]
+    #[pyo3(signature = (name, entries, live_before, final_reserved = None))]
     fn from_snapshot_entries(
+        py: Python<'_>,
         name: String,
         entries: Vec<SnapshotEntry>,
         live_before: Vec<(u64, u64, u64)>,
+        final_reserved: Option<u64>,
     ) -> PyResult<PyTrace> {
-        let mut builder = TraceBuilder::default();
-        for (address, size, stream) in live_before {
-            builder
-                .alloc(address, size, stream, 0)
-                .map_err(|e| value_error(format!("{name}, blocks allocated before recording: {e}")))?;
-        }
-        builder.begin_history();
         let start = entries.first().map_or(0.0, |e| e.4);
-        for (index, (action, address, size, stream, time_us)) in entries.iter().enumerate() {
-            let time_ns = ((time_us - start).max(0.0) * 1000.0) as u64;
-            builder
-                .snapshot_entry(action, *address, *size, *stream, time_ns)
-                .map_err(|e| value_error(format!("{name}, entry {index}: {e}")))?;
-        }
-        Ok(PyTrace { trace: Arc::new(builder.finish()), name })
+        let read: Vec<job::Entry<'_>> = entries
+            .iter()
+            .map(|(action, address, size, stream, time_us)| job::Entry {
+                action,
+                address: *address,
+                size: *size,
+                stream: *stream,
+                time_ns: ((time_us - start).max(0.0) * 1000.0) as u64,
+            })
+            .collect();
+        let trace =
+            py.detach(|| Trace::from_snapshot(&read, &live_before, final_reserved)).map_err(|(at, e)| match at {
+                Some(index) => value_error(format!("{name}, entry {index}: {e}")),
+                None => value_error(format!("{name}, blocks allocated before recording: {e}")),
+            })?;
+        Ok(PyTrace { trace: Arc::new(trace), name })
+    }
+
+    /// The most bytes the job could hold on its GPU, from its `oom` entries (each records the
+    /// device's free bytes beside what the job had reserved); `None` without any.
+    #[getter]
+    fn capacity(&self) -> Option<u64> {
+        self.trace.capacity()
     }
 
     /// Where the trace came from.

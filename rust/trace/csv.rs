@@ -175,10 +175,13 @@ fn hours_minutes(h: &str, m: &str) -> Option<u64> {
     h.checked_mul(3600)?.checked_add(m.checked_mul(60)?)?.checked_mul(1_000_000_000)
 }
 
-/// Writes `trace` as RMM CSV: Time in seconds since the first event, thread 0.
-pub fn write(trace: &Trace, out: impl Write) -> io::Result<()> {
+/// Writes `trace` as RMM CSV: Time in seconds since the first event, thread 0. RMM's log has
+/// no word for the job's releases of cached memory: they are left out, and their number is
+/// returned so that the caller can say so.
+pub fn write(trace: &Trace, out: impl Write) -> io::Result<usize> {
     let mut out = BufWriter::new(out);
     writeln!(out, "{HEADER}")?;
+    let mut left_out = 0;
     for e in trace.events() {
         let (seconds, nanos) = (e.time_ns / 1_000_000_000, e.time_ns % 1_000_000_000);
         let stream = trace.streams()[e.stream as usize];
@@ -186,20 +189,27 @@ pub fn write(trace: &Trace, out: impl Write) -> io::Result<()> {
             Action::Alloc => "allocate",
             Action::Free => "free",
             Action::Failure => "allocate failure",
+            Action::EmptyCache | Action::OomRelease => {
+                left_out += 1;
+                continue;
+            }
         };
         let pointer = if e.action == Action::Failure { "(nil)".to_string() } else { format!("{:#x}", e.address) };
         writeln!(out, "0,{seconds}.{nanos:09},{action},{pointer},{},{stream:#x}", e.size)?;
     }
-    out.flush()
+    out.flush()?;
+    Ok(left_out)
 }
 
-/// Writes `trace` to `path`, gzip-compressed when the name ends in `.gz`.
-pub fn write_path(trace: &Trace, path: &Path) -> io::Result<()> {
+/// Writes `trace` to `path`, gzip-compressed when the name ends in `.gz`; returns how many
+/// events RMM's format could not say (see [`write`]).
+pub fn write_path(trace: &Trace, path: &Path) -> io::Result<usize> {
     let file = File::create(path)?;
     if path.extension().is_some_and(|e| e == "gz") {
         let mut gz = GzEncoder::new(file, flate2::Compression::default());
-        write(trace, &mut gz)?;
-        gz.finish()?.sync_all()
+        let left_out = write(trace, &mut gz)?;
+        gz.finish()?.sync_all()?;
+        Ok(left_out)
     } else {
         write(trace, file)
     }

@@ -7,12 +7,13 @@
 
 pub mod csv;
 pub mod fidelity;
+pub mod job;
 pub mod pickle;
 pub mod replay;
 pub mod rows;
 pub mod start;
 
-use crate::pool::{History, HistoryAction};
+use crate::pool::History;
 use rustc_hash::FxHashMap;
 use std::fmt;
 
@@ -20,22 +21,45 @@ use std::fmt;
 pub enum Action {
     Alloc,
     Free,
-    /// An allocation that failed when the trace was recorded; replay skips it.
+    /// An allocation that failed when the trace was recorded. A replay that honours the job
+    /// tries it again and, if it is served, frees it at once: the job went on without it.
     Failure,
+    /// The job called `torch.cuda.empty_cache()`: every replay that honours the job does too.
+    EmptyCache,
+    /// The allocator's out-of-memory path released its cache before retrying a request. A
+    /// replay of the recorded configuration releases there too; any other configuration runs
+    /// its own out-of-memory path, where its own capacity makes it.
+    OomRelease,
 }
 
 impl Action {
-    /// PyTorch's names (`oom` for a failure).
+    /// PyTorch's names (`oom` for a failure), and gpupool's for the job's releases.
     pub fn name(self) -> &'static str {
         match self {
             Action::Alloc => "alloc",
             Action::Free => "free",
             Action::Failure => "oom",
+            Action::EmptyCache => "empty_cache",
+            Action::OomRelease => "oom_release",
+        }
+    }
+
+    /// Whether the event is the job's management of its pool rather than a request.
+    pub fn is_release(self) -> bool {
+        matches!(self, Action::EmptyCache | Action::OomRelease)
+    }
+}
+
+impl From<job::Release> for Action {
+    fn from(why: job::Release) -> Self {
+        match why {
+            job::Release::EmptyCache => Action::EmptyCache,
+            job::Release::OutOfMemory => Action::OomRelease,
         }
     }
 }
 
-/// No allocation: the slot of a [`Action::Failure`].
+/// No allocation: the slot of a [`Action::Failure`] and of a release.
 pub const NO_SLOT: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,7 +71,8 @@ pub struct Event {
     pub slot: u32,
     /// The address the traced program saw (for reports and for writing the trace back).
     pub address: u64,
-    /// Bytes requested; a `Free` carries its allocation's size.
+    /// Bytes requested; a `Free` carries its allocation's size, a release the bytes the
+    /// recorded allocator gave back.
     pub size: u64,
     /// Nanoseconds since the trace began.
     pub time_ns: u64,
@@ -90,6 +115,11 @@ pub struct Trace {
     /// How many leading events are allocations that were live before recording began (see
     /// [`TraceBuilder::begin_history`]); 0 when the trace starts from nothing.
     prelude: usize,
+    /// The most bytes the job could hold on its GPU, where its `oom` entries say.
+    capacity: Option<u64>,
+    /// The bytes the recorded allocator held reserved at each event, where the snapshot's
+    /// segment entries say (empty otherwise).
+    recorded_reserved: Vec<u64>,
 }
 
 impl Trace {
@@ -111,36 +141,106 @@ impl Trace {
         self.peak_live_bytes
     }
 
+    /// The most bytes the job could hold on its GPU, inferred from its `oom` entries.
+    pub fn capacity(&self) -> Option<u64> {
+        self.capacity
+    }
+
+    /// The bytes the recorded allocator held reserved at each event; empty when the source
+    /// recorded no segment entries.
+    pub fn recorded_reserved(&self) -> &[u64] {
+        &self.recorded_reserved
+    }
+
     /// The leading allocations of blocks that were live before recording began: a replay from
     /// nothing makes them first; [`start::replay_from_start`] puts them back where they lay.
     pub fn prelude(&self) -> &[Event] {
         &self.events[..self.prelude]
     }
 
-    /// A pool's recorded history as a trace of its users' requests: allocations, the frees
-    /// users asked for and failed allocations. Frees of blocks allocated before the oldest
-    /// kept entry (the ring buffer dropped them) are left out.
-    pub fn from_history(history: &History) -> Trace {
+    /// A trace from one device's snapshot entries, oldest first: the blocks `live_before`
+    /// recording began (`(address, size, stream)`) allocated first, then `alloc`,
+    /// `free_completed` and `oom` entries as requests, and each burst of segment releases as
+    /// the job's [`Action::EmptyCache`] or the out-of-memory path's [`Action::OomRelease`] (see
+    /// [`job`]). `final_reserved` is what the snapshot's segments of the device hold. An error
+    /// names the entry at fault (`None`: a block live before recording).
+    pub fn from_snapshot(
+        entries: &[job::Entry<'_>],
+        live_before: &[(u64, u64, u64)],
+        final_reserved: Option<u64>,
+    ) -> Result<Trace, (Option<usize>, TraceError)> {
+        let record = job::read(entries, final_reserved);
         let mut builder = TraceBuilder::default();
+        for &(address, size, stream) in live_before {
+            builder.alloc(address, size, stream, 0).map_err(|e| (None, e))?;
+        }
+        builder.begin_history();
+        let segments_recorded = entries.iter().any(|e| e.action.starts_with("segment_"));
+        let mut reserved = record.start_reserved;
+        if segments_recorded {
+            builder.trace.recorded_reserved = vec![reserved; builder.trace.events.len()];
+        }
+        let mut releases = record.releases.iter().peekable();
+        for (index, e) in entries.iter().enumerate() {
+            if let Some(&(_, why, bytes)) = releases.next_if(|r| r.0 == index) {
+                builder.release(why.into(), bytes, e.stream, e.time_ns);
+                if segments_recorded {
+                    // The whole burst at once, as a replay releases it.
+                    builder.trace.recorded_reserved.push(reserved.saturating_sub(bytes));
+                }
+            }
+            reserved = match e.action {
+                "segment_alloc" | "segment_map" => reserved.saturating_add(e.size),
+                "segment_free" | "segment_unmap" => reserved.saturating_sub(e.size),
+                _ => reserved,
+            };
+            builder
+                .snapshot_entry(e.action, e.address, e.size, e.stream, e.time_ns)
+                .map_err(|error| (Some(index), error))?;
+            if segments_recorded {
+                let missing = builder.trace.events.len() - builder.trace.recorded_reserved.len();
+                builder.trace.recorded_reserved.extend(std::iter::repeat_n(reserved, missing));
+            }
+        }
+        builder.trace.capacity = record.capacity;
+        Ok(builder.finish())
+    }
+
+    /// A pool's recorded history as a trace of its users' requests: allocations, the frees
+    /// users asked for, failed allocations, and the pool's releases of cached memory as the
+    /// job's (see [`Trace::from_snapshot`]). Frees of blocks allocated before the oldest kept
+    /// entry (the ring buffer dropped them) are left out.
+    pub fn from_history(history: &History) -> Trace {
         let start = history.entries().next().map_or(0, |e| e.time_us);
-        for e in history.entries() {
-            let time_ns = (e.time_us - start) * 1000;
-            let stream = u64::from(e.stream);
+        let entries: Vec<job::Entry<'_>> = history
+            .entries()
+            .map(|e| job::Entry {
+                action: e.action.name(),
+                address: e.address,
+                size: e.size,
+                stream: u64::from(e.stream),
+                time_ns: (e.time_us - start) * 1000,
+            })
+            .collect();
+        let record = job::read(&entries, None);
+        let mut releases = record.releases.iter().peekable();
+        let mut builder = TraceBuilder::default();
+        for (index, e) in entries.iter().enumerate() {
+            if let Some(&(_, why, bytes)) = releases.next_if(|r| r.0 == index) {
+                builder.release(why.into(), bytes, e.stream, e.time_ns);
+            }
             match e.action {
-                HistoryAction::Alloc => {
-                    let fresh = builder.alloc(e.address, e.size, stream, time_ns);
+                "alloc" => {
+                    let fresh = builder.alloc(e.address, e.size, e.stream, e.time_ns);
                     debug_assert!(fresh.is_ok(), "the pool handed out a live address: {fresh:?}");
                 }
                 // An unknown free's allocation is older than the oldest kept entry.
-                HistoryAction::FreeRequested => _ = builder.free(e.address, stream, time_ns),
-                HistoryAction::Oom => builder.failure(e.size, stream, time_ns),
-                HistoryAction::FreeCompleted
-                | HistoryAction::SegmentAlloc
-                | HistoryAction::SegmentFree
-                | HistoryAction::SegmentMap
-                | HistoryAction::SegmentUnmap => {}
+                "free_requested" => _ = builder.free(e.address, e.stream, e.time_ns),
+                "oom" => builder.failure(e.size, e.stream, e.time_ns),
+                _ => {}
             }
         }
+        builder.trace.capacity = record.capacity;
         builder.finish()
     }
 }
@@ -200,6 +300,13 @@ impl TraceBuilder {
         self.trace.events.push(Event { action: Action::Failure, stream, slot: NO_SLOT, address: 0, size, time_ns });
     }
 
+    /// Records a release of cached memory (`bytes` given back as recorded).
+    pub fn release(&mut self, action: Action, bytes: u64, stream: u64, time_ns: u64) {
+        debug_assert!(action.is_release());
+        let stream = self.stream(stream);
+        self.trace.events.push(Event { action, stream, slot: NO_SLOT, address: 0, size: bytes, time_ns });
+    }
+
     /// One entry of a PyTorch snapshot's `device_traces`: `alloc` and `free_completed` are
     /// the events replay needs, `oom` a failure; the others describe the allocator's own
     /// work (segments, pending frees, markers) and are skipped.
@@ -237,7 +344,7 @@ impl TraceBuilder {
 
 #[cfg(test)]
 mod tests {
-    use super::replay::{replay, replay_sim};
+    use super::replay::{replay, replay_sim, JobActions};
     use super::*;
     use crate::core::{Metric, StatType};
     use crate::device::Sim;
@@ -309,8 +416,12 @@ mod tests {
         let peak = |m| pool.stats().get(m, StatType::All).peak;
         assert_eq!(replayed.peak_live_bytes, peak(Metric::RequestedBytes));
         assert_eq!(replayed.peak_reserved_bytes, peak(Metric::ReservedBytes));
-        // A recorded failure is not attempted again: the program went on without that memory.
-        assert_eq!(replayed.ooms, 0);
+        // A recorded failure is tried again, and fails as it did on a device of the same size;
+        // a replay that ignores the job's actions skips it.
+        assert_eq!((replayed.ooms, replayed.ooms_as_recorded, replayed.releases), (1, 1, 1));
+        let mut fresh = Pool::new(Sim::new(256 << 20), Config::parse("strategy:pytorch").unwrap());
+        let ignored = replay(&trace, &mut fresh, None, JobActions::Ignore).unwrap();
+        assert_eq!((ignored.ooms, ignored.releases, ignored.peak_reserved_bytes), (0, 0, replayed.peak_reserved_bytes));
     }
 
     #[test]
@@ -326,7 +437,8 @@ mod tests {
         let actions: Vec<Action> = trace.events().iter().map(|e| e.action).collect();
         assert_eq!(actions, [Action::Alloc, Action::Free]);
         assert_eq!(trace.events()[1].address, second.address);
-        replay(&trace, &mut Pool::new(Sim::new(1 << 30), Config::parse("strategy:pytorch").unwrap()), None).unwrap();
+        let pool_of = |c| Pool::new(Sim::new(1 << 30), Config::parse(c).unwrap());
+        replay(&trace, &mut pool_of("strategy:pytorch"), None, JobActions::Honour).unwrap();
         pool.record_history(None);
         assert!(pool.history().is_none());
     }

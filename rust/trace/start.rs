@@ -3,7 +3,7 @@
 //! after that point depends on that state (a warmed-up job grows into cached segments), so a
 //! replay of the recorded settings is only comparable with the recorded decisions from there.
 
-use super::replay::{bisect_capacity, Cursor, Metrics, Timeline};
+use super::replay::{bisect_capacity, checked_capacity, Cursor, JobActions, Metrics, MinCapacity, Timeline};
 use super::{Event, Trace};
 use crate::core::PoolKind;
 use crate::device::{Device, DeviceError, Sim, StreamId, DEFAULT_STREAM};
@@ -33,8 +33,8 @@ pub struct FromStart {
 }
 
 /// Seeds `pool` (fresh, with plain segments) with `start` and the trace's prelude blocks at
-/// their recorded addresses, then replays the history; with `decisions`, the pool's segment
-/// decisions are recorded.
+/// their recorded addresses, then replays the history, repeating what `job` says of the job's
+/// own actions; with `decisions`, the pool's segment decisions are recorded.
 ///
 /// On a device too small for the whole start, segments holding live blocks are seeded first;
 /// a fully free one that does not fit is left out (the allocator would give it back under that
@@ -45,8 +45,9 @@ pub fn replay_from_start<D: Device>(
     pool: &mut Pool<D>,
     timeline: Option<&mut Timeline>,
     decisions: bool,
+    job: JobActions,
 ) -> Result<FromStart, PoolError> {
-    replay_with(trace, start, pool, timeline, decisions, None).map(|(from_start, _)| from_start)
+    replay_with(trace, start, pool, timeline, decisions, None, job).map(|(from_start, _)| from_start)
 }
 
 /// [`replay_from_start`], stopped at the first failed allocation beyond `ooms_allowed` if
@@ -58,8 +59,9 @@ fn replay_with<D: Device>(
     timeline: Option<&mut Timeline>,
     decisions: bool,
     ooms_allowed: Option<u64>,
+    job: JobActions,
 ) -> Result<(FromStart, bool), PoolError> {
-    let mut cursor = Cursor::new(trace, pool)?;
+    let mut cursor = Cursor::new(trace, pool, job)?;
     if let Some(allowed) = ooms_allowed {
         cursor.stop_after_ooms(allowed);
     }
@@ -140,29 +142,36 @@ pub fn replay_from_start_sim(
     start: &[StartSegment],
     config: &Config,
     capacity: u64,
+    job: JobActions,
 ) -> Result<FromStart, PoolError> {
-    replay_from_start(trace, start, &mut Pool::new(Sim::new(capacity), config.clone()), None, false)
+    replay_from_start(trace, start, &mut Pool::new(Sim::new(capacity), config.clone()), None, false, job)
 }
 
 /// The smallest `sim` capacity on which the history runs from the recorded start without an
 /// OOM, to within `tolerance`, given what an unlimited replay from there measured: the search
-/// of [`bisect_capacity`] over seeded replays, each stopped at its first failure. `None` as
-/// for [`min_capacity_after`](super::replay::min_capacity_after).
+/// of [`bisect_capacity`] over seeded replays, each stopped at its first failure, then the
+/// check of [`checked_capacity`]. `None` as for
+/// [`min_capacity_after`](super::replay::min_capacity_after).
 pub fn min_capacity_from_start(
     trace: &Trace,
     start: &[StartSegment],
     config: &Config,
     unlimited: &Metrics,
     tolerance: f64,
-) -> Result<Option<u64>, PoolError> {
+    job: JobActions,
+) -> Result<Option<MinCapacity>, PoolError> {
     if unlimited.served_nothing() {
         return Ok(None);
     }
-    let fits_on = |capacity| {
+    let mut fits_on = |capacity| {
         let mut pool = Pool::new(Sim::new(capacity), config.clone());
-        replay_with(trace, start, &mut pool, None, false, Some(unlimited.ooms)).map(|(_, failed)| !failed)
+        replay_with(trace, start, &mut pool, None, false, Some(unlimited.ooms), job).map(|(_, failed)| !failed)
     };
-    bisect_capacity(fits_on, trace.peak_live_bytes(), unlimited.peak_reserved_bytes, tolerance)
+    let floor = trace.peak_live_bytes();
+    match bisect_capacity(&mut fits_on, floor, unlimited.peak_reserved_bytes, tolerance)? {
+        Some(found) => checked_capacity(fits_on, found, floor, tolerance).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// The pool stream of a traced stream handle: the trace's own, else the default stream (a
@@ -206,10 +215,10 @@ mod tests {
         let trace = b.finish();
         assert_eq!(trace.prelude().len(), 1);
         let start = [StartSegment { address: base, size: 40 * MIB, kind: PoolKind::Large, stream: 0 }];
-        let from_start = replay_from_start(&trace, &start, &mut pytorch(), None, true).unwrap();
+        let from_start = replay_from_start(&trace, &start, &mut pytorch(), None, true, JobActions::Honour).unwrap();
         assert_eq!(from_start.segment_events, []);
         assert_eq!((from_start.metrics.peak_reserved_bytes, from_start.unplaced), (40 * MIB, 0));
-        let from_nothing = crate::trace::replay::replay(&trace, &mut pytorch(), None).unwrap();
+        let from_nothing = crate::trace::replay::replay(&trace, &mut pytorch(), None, JobActions::Honour).unwrap();
         assert_eq!(from_nothing.peak_reserved_bytes, 20 * MIB + 30 * MIB);
     }
 
@@ -220,7 +229,7 @@ mod tests {
         b.begin_history();
         let trace = b.finish();
         let start = [StartSegment { address: 0x1000_0000, size: 2 * MIB, kind: PoolKind::Small, stream: 0 }];
-        let from_start = replay_from_start(&trace, &start, &mut pytorch(), None, true).unwrap();
+        let from_start = replay_from_start(&trace, &start, &mut pytorch(), None, true, JobActions::Honour).unwrap();
         assert_eq!(from_start.unplaced, 1);
         assert_eq!(from_start.segment_events, [], "seeding and the fallback happen before recording");
         assert_eq!(from_start.metrics.peak_reserved_bytes, 2 * MIB + 20 * MIB);
@@ -241,12 +250,15 @@ mod tests {
             StartSegment { address: base + 100 * MIB, size: 20 * MIB, kind: PoolKind::Large, stream: 0 },
         ];
         let config = Config::parse("strategy:pytorch,cross_stream_reuse:never").unwrap();
-        let unlimited = replay_from_start_sim(&trace, &start, &config, u64::MAX).unwrap();
+        let unlimited = replay_from_start_sim(&trace, &start, &config, u64::MAX, JobActions::Honour).unwrap();
         assert_eq!(unlimited.metrics.peak_reserved_bytes, 84 * MIB, "the 30 MiB request fits the cached 64 MiB");
-        let min = min_capacity_from_start(&trace, &start, &config, &unlimited.metrics, 0.005).unwrap().unwrap();
+        let min = min_capacity_from_start(&trace, &start, &config, &unlimited.metrics, 0.005, JobActions::Honour)
+            .unwrap()
+            .unwrap()
+            .bytes;
         assert!((50 * MIB..=51 * MIB).contains(&min), "20 MiB live segment + a 30 MiB one: {min}");
-        assert_eq!(replay_from_start_sim(&trace, &start, &config, min).unwrap().metrics.ooms, 0);
-        let short = replay_from_start_sim(&trace, &start, &config, 19 * MIB).unwrap();
+        assert_eq!(replay_from_start_sim(&trace, &start, &config, min, JobActions::Honour).unwrap().metrics.ooms, 0);
+        let short = replay_from_start_sim(&trace, &start, &config, 19 * MIB, JobActions::Honour).unwrap();
         assert!(short.metrics.ooms >= 1, "the segment holding live blocks does not fit");
     }
 
@@ -254,6 +266,14 @@ mod tests {
     fn paged_pools_cannot_be_seeded() {
         let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:expandable").unwrap());
         let start = [StartSegment { address: 0, size: 20 * MIB, kind: PoolKind::Large, stream: 0 }];
-        assert!(replay_from_start(&TraceBuilder::default().finish(), &start, &mut pool, None, false).is_err());
+        assert!(replay_from_start(
+            &TraceBuilder::default().finish(),
+            &start,
+            &mut pool,
+            None,
+            false,
+            JobActions::Honour
+        )
+        .is_err());
     }
 }
