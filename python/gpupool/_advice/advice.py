@@ -3,7 +3,9 @@ replay of the user's settings compares with the recorded run, and the recommenda
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 # Savings below this share of the min capacity are not savings; advise's min-capacity searches
@@ -19,6 +21,14 @@ def config_label(family: str, config: str) -> str:
     if family == "pytorch" and not config:
         return PYTORCH_DEFAULTS
     return config
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of what ``gpupool advise --json`` prints: a list of
+    ``Advice.as_dict()`` objects. It is the authority on their fields; docs/advise-json.md
+    explains them."""
+    text = resources.files("gpupool._advice").joinpath("advise.schema.json").read_text(encoding="utf-8")
+    return json.loads(text)
 
 
 @dataclass(frozen=True)
@@ -166,7 +176,7 @@ class Advice:
         return next(c for c in self.candidates if c.as_run)
 
     def as_dict(self) -> dict[str, Any]:
-        """The ``--json`` object."""
+        """The ``--json`` object, as ``schema()`` describes it."""
         return {
             "trace": self.trace,
             "device": self.device,
