@@ -195,7 +195,6 @@ def candidate(config: str, needs: int | None, calls: int, family: str = "gpupool
     return CandidateResult(
         config=config,
         family=family,
-        env=config,
         gpupool_config=config,
         as_run=as_run,
         peak_reserved_bytes=needs or 0,

@@ -4,6 +4,7 @@ from importlib.metadata import version
 
 from gpupool import _native
 from gpupool._advice.advice import Advice
+from gpupool._advice.advice import schema as advise_schema
 from gpupool._advice.analysis import advise, advise_each
 from gpupool._native import (
     Device,
@@ -30,6 +31,7 @@ __all__ = [
     "View",
     "advise",
     "advise_each",
+    "advise_schema",
     "cuda_available",
     "cuda_mem_get_info",
     "device_count",

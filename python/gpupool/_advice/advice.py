@@ -3,21 +3,43 @@ replay of the user's settings compares with the recorded run, and the recommenda
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 # Savings below this share of the min capacity are not savings; advise's min-capacity searches
 # stop within it (`ADVICE_TOLERANCE` in rust/python/advise.rs).
 TOLERANCE = 0.005
+# How reports name PyTorch's defaults, whose configuration string is empty.
+PYTORCH_DEFAULTS = "PyTorch defaults"
+
+
+def config_label(family: str, config: str) -> str:
+    """How the reports name a configuration: its string, or "PyTorch defaults" for PyTorch's
+    empty one. Programs read ``config``; a label is for people."""
+    if family == "pytorch" and not config:
+        return PYTORCH_DEFAULTS
+    return config
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of what ``gpupool advise --json`` prints: a list of
+    ``Advice.as_dict()`` objects. It is the authority on their fields; docs/advise-json.md
+    explains them."""
+    text = resources.files("gpupool._advice").joinpath("advise.schema.json").read_text(encoding="utf-8")
+    return json.loads(text)
 
 
 @dataclass(frozen=True)
 class CandidateResult:
     """One configuration replayed from the blocks live when recording began."""
 
+    # What the user would set: PYTORCH_ALLOC_CONF's value for family "pytorch" ("" for PyTorch's
+    # defaults), GPUPOOL_ALLOC_CONF's for "gpupool".
     config: str
     family: str
-    env: str
+    # The configuration gpupool replays it as (``gpupool.replay``'s ``config``).
     gpupool_config: str
     as_run: bool
     peak_reserved_bytes: int
@@ -32,11 +54,22 @@ class CandidateResult:
     # (event index, reserved bytes, live bytes), each point the highest until the next.
     timeline: tuple[list[int], list[int], list[int]] = field(repr=False)
 
+    @property
+    def label(self) -> str:
+        return config_label(self.family, self.config)
+
+    @property
+    def env(self) -> str:
+        """The environment variable's value: ``config`` itself."""
+        return self.config
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "config": self.config,
+            "label": self.label,
             "family": self.family,
             "env": self.env,
+            "gpupool_config": self.gpupool_config,
             "as_run": self.as_run,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "min_capacity_bytes": self.min_capacity_bytes,
@@ -62,14 +95,19 @@ class Recorded:
     segment_decisions: int
     replayed_segment_decisions: int | None
     # "recorded start": seeded with the segments and blocks that existed when recording began;
-    # "nothing": from the live blocks alone (a paged or driver-pooled allocator).
+    # "live blocks": from the live blocks alone (a paged or driver-pooled allocator).
     replayed_from: str
     start_reserved_bytes: int
     inert_keys: list[str]
 
+    @property
+    def label(self) -> str:
+        return config_label("pytorch", self.config)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "config": self.config,
+            "label": self.label,
             "settings_recorded": self.settings_recorded,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "replayed_peak_reserved_bytes": self.replayed_peak_reserved_bytes,
@@ -85,6 +123,7 @@ class Recorded:
 @dataclass(frozen=True)
 class Recommendation:
     family: str
+    # The chosen candidate's ``config``: the value of the variable ``env`` sets.
     config: str
     # The line to paste: PYTORCH_ALLOC_CONF=... or GPUPOOL_ALLOC_CONF=...
     env: str
@@ -95,9 +134,15 @@ class Recommendation:
     saved_bytes: int | None
     saved_fraction: float | None
 
+    @property
+    def label(self) -> str:
+        return config_label(self.family, self.config)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "config": self.config,
+            "label": self.label,
+            "family": self.family,
             "env": self.env,
             "min_capacity_bytes": self.min_capacity_bytes,
             "saved_bytes": self.saved_bytes,
@@ -131,7 +176,7 @@ class Advice:
         return next(c for c in self.candidates if c.as_run)
 
     def as_dict(self) -> dict[str, Any]:
-        """The ``--json`` object."""
+        """The ``--json`` object, as ``schema()`` describes it."""
         return {
             "trace": self.trace,
             "device": self.device,

@@ -62,9 +62,8 @@ def _candidate_result(c: _candidates.Candidate, result: Any, capacity: int | Non
     minimum = result.min_capacity_bytes
     fits = None if capacity is None else minimum is not None and minimum <= capacity
     return CandidateResult(
-        config=c.label,
+        config=c.env,
         family=c.family,
-        env=c.env,
         gpupool_config=c.config,
         as_run=c.as_run,
         peak_reserved_bytes=result.peak_reserved_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpupool._advice.advice import config_label
 from gpupool._advice.settings import gpupool_config
 
 # One knob at a time, each at values people set: the sweep a user would otherwise run by hand.
@@ -34,9 +35,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        if self.family == "pytorch":
-            return self.env or "PyTorch defaults"
-        return self.env
+        return config_label(self.family, self.env)
 
 
 def _pytorch(env: str, as_run: bool = False) -> Candidate:

@@ -35,7 +35,7 @@ tr.best { background: #eef6ee; } th { border-bottom: 1px solid #999; }
 def _series(c: CandidateResult, scale: int, shown: bool) -> dict[str, Any]:
     x, reserved, _ = c.timeline
     return {
-        "name": c.config + (" (as run)" if c.as_run else ""),
+        "name": c.label + (" (as run)" if c.as_run else ""),
         "family": c.family,
         "shown": shown,
         "x": x,
@@ -44,8 +44,8 @@ def _series(c: CandidateResult, scale: int, shown: bool) -> dict[str, Any]:
 
 
 def _chart_data(advice: Advice, units: _Units) -> dict[str, Any]:
-    best = {r.config for r in advice.recommended.values()}
-    series = [_series(c, units.scale, c.as_run or c.config in best) for c in advice.candidates]
+    best = {(r.family, r.config) for r in advice.recommended.values()}
+    series = [_series(c, units.scale, c.as_run or (c.family, c.config) in best) for c in advice.candidates]
     x, _, live = advice.as_run.timeline
     return {
         "unit": units.name,
@@ -76,14 +76,14 @@ def _answer(r: Recommendation, units: _Units) -> str:
 
 
 def _table(advice: Advice, units: _Units) -> str:
-    best = {r.config for r in advice.recommended.values()}
+    best = {(r.family, r.config) for r in advice.recommended.values()}
     head = "<tr><th>configuration</th><th>family</th><th>peak reserved</th><th>min capacity</th>"
     head += "<th>fragmented</th><th>driver calls</th>"
     head += "<th>headroom</th></tr>" if advice.capacity_bytes is not None else "</tr>"
     rows = []
     for c in advice.candidates:
-        kind = "as-run" if c.as_run else "best" if c.config in best else ""
-        cells = [html.escape(c.config + (" (as run)" if c.as_run else "")), c.family]
+        kind = "as-run" if c.as_run else "best" if (c.family, c.config) in best else ""
+        cells = [html.escape(c.label + (" (as run)" if c.as_run else "")), c.family]
         cells += [units(c.peak_reserved_bytes), units(c.min_capacity_bytes), units(c.fragmentation_bytes)]
         cells.append(f"{c.driver_calls:,}")
         if advice.capacity_bytes is not None:
@@ -94,7 +94,7 @@ def _table(advice: Advice, units: _Units) -> str:
 
 def _recorded(advice: Advice, units: _Units) -> str:
     r = advice.recorded
-    lines = [f"What you ran: <code>{html.escape(r.config or 'PyTorch defaults')}</code>"]
+    lines = [f"What you ran: <code>{html.escape(r.label)}</code>"]
     if r.peak_reserved_bytes is not None:
         lines.append(
             f"peak reserved recorded {units(r.peak_reserved_bytes)}, replayed {units(r.replayed_peak_reserved_bytes)}"

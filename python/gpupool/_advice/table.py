@@ -37,7 +37,7 @@ def _tail(text: str, width: int) -> str:
 
 def _recorded(advice: Advice, size: _Units) -> list[str]:
     r = advice.recorded
-    settings = r.config or "PyTorch defaults"
+    settings = r.label
     origin = "recorded in the snapshot" if r.settings_recorded else "not recorded: PyTorch's defaults assumed"
     lines = [f"What you ran: {settings} ({origin})"]
     if advice.scope == "segments":
@@ -70,7 +70,7 @@ def _recorded(advice: Advice, size: _Units) -> list[str]:
 
 def _rows(c: CandidateResult, size: _Units, with_capacity: bool) -> list[str]:
     """One row; a configuration too long for its column gets a line of its own above it."""
-    name = c.config + (" (as run)" if c.as_run else "")
+    name = c.label + (" (as run)" if c.as_run else "")
     cells = [f"{size(c.peak_reserved_bytes):>12}", f"{size(c.min_capacity_bytes):>12}"]
     cells += [f"{size(c.fragmentation_bytes):>12}", f"{c.driver_calls:>8,}"]
     if with_capacity:
