@@ -198,6 +198,7 @@ def candidate(config: str, needs: int | None, calls: int, family: str = "gpupool
         gpupool_config=config,
         as_run=as_run,
         peak_reserved_bytes=needs or 0,
+        min_capacity_corrected=False,
         min_capacity_bytes=needs,
         fragmentation_bytes=0,
         driver_calls=calls,

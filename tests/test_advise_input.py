@@ -87,7 +87,11 @@ def test_oom_entries_and_unknown_actions_are_reported_not_fatal(tmp_path):
     advice = gpupool.advise(write(tmp_path, {"device_traces": [entries], "segments": segments}))
     assert any("hit 1 out-of-memory errors" in note for note in advice.notes)
     assert any("Skipped 1 'cudagraph_replay' entries" in note for note in advice.notes)
-    assert advice.as_run.min_capacity_bytes < 1 << 30, "the recorded failure is not attempted again"
+    # A request beyond the whole GPU the job had (reserved at the oom plus 3 MiB free) fails on
+    # every configuration: it weighs on no capacity, and the replay on that GPU repeats it.
+    assert advice.gpu_capacity_bytes is not None and advice.gpu_capacity_bytes < 1 << 30
+    assert advice.as_run.min_capacity_bytes < 1 << 30, "the failure beyond the GPU is not counted against it"
+    assert (advice.recorded.ooms, advice.recorded.ooms_repeated) == (1, 1)
 
 
 def test_a_history_no_device_can_serve_fits_no_capacity(tmp_path, capsys):

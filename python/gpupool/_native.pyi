@@ -193,10 +193,13 @@ class Trace:
         name: str,
         entries: list[tuple[str, int, int, int, float]],
         live_before: list[tuple[int, int, int]],
+        final_reserved: int | None = None,
     ) -> Trace:
         """PyTorch ``device_traces`` entries ``(action, addr, size, stream, time_us)``, after
         allocating ``live_before`` ``(addr, size, stream)`` at the start (the trace's prelude:
-        the blocks live before recording began)."""
+        the blocks live before recording began). Bursts of segment releases become the job's
+        ``empty_cache`` or ``oom_release`` events; ``final_reserved`` (the bytes the snapshot's
+        segments hold) anchors the recorded reserved bytes."""
     @property
     def name(self) -> str: ...
     def __len__(self) -> int: ...
@@ -206,6 +209,11 @@ class Trace:
     def peak_live_bytes(self) -> int: ...
     @property
     def allocations(self) -> int: ...
+    @property
+    def capacity(self) -> int | None:
+        """The most bytes the job could hold on its GPU, from its ``oom`` entries."""
+    def action_counts(self) -> dict[str, int]:
+        """How many events of each action the trace holds."""
     def events(self, start: int, stop: int) -> list[tuple[str, int, int, int, float]]:
         """Events ``start:stop`` as ``(action, address, size, stream, time_us)``."""
 
@@ -243,6 +251,12 @@ class ReplayResult:
     def ooms(self) -> int:
         """Allocations that did not fit: skipped, their frees ignored."""
     @property
+    def ooms_as_recorded(self) -> int:
+        """Of ``ooms``, the requests that failed when the trace was recorded too."""
+    @property
+    def releases(self) -> int:
+        """The job's releases of cached memory the replay repeated."""
+    @property
     def seconds(self) -> float: ...
     @property
     def events_per_second(self) -> float: ...
@@ -251,11 +265,21 @@ class ReplayResult:
         """The smallest sim capacity without an OOM (within 0.02%), if it was asked for and one
         runs the trace."""
     @property
+    def min_capacity_corrected(self) -> bool:
+        """Whether the bisection's answer failed its check (no OOM there, an OOM a tolerance
+        below) and a search past it found ``min_capacity_bytes``."""
+    @property
     def min_capacity_utilization(self) -> float | None: ...
     @property
     def timeline(self) -> tuple[list[int], list[int], list[int]]:
         """``(event_index, reserved_bytes, live_bytes)``; each point is the highest value until
         the next point's event."""
+    @property
+    def recorded_reserved_bytes(self) -> list[int]:
+        """The recorded run's reserved bytes at the timeline's points (empty when unknown)."""
+    @property
+    def largest_gap_bytes(self) -> int | None:
+        """The most the replay's reserved bytes differed from the recorded run's at one event."""
 
 def replay(
     trace: Trace,
@@ -264,9 +288,12 @@ def replay(
     min_capacity: bool = False,
     device: str = "sim",
     tolerance: float | None = None,
+    job: str = "honour",
 ) -> ReplayResult:
     """Replays ``trace`` on a fresh pool; ``sim`` without a capacity is unlimited. The
-    min-capacity search stops within ``tolerance`` of its answer (0.02% unless given)."""
+    min-capacity search stops within ``tolerance`` of its answer (0.02% unless given). ``job``
+    says which of the job's own actions are repeated: ``ignore``, ``honour`` (``empty_cache()``
+    calls and recorded failures) or ``as_run`` (also the out-of-memory path's releases)."""
 
 def replay_from_start(
     trace: Trace,
@@ -275,6 +302,7 @@ def replay_from_start(
     min_capacity: bool = False,
     decisions: bool = False,
     capacity: int | None = None,
+    job: str = "honour",
 ) -> tuple[ReplayResult, list[tuple[str, int]], int]:
     """Replays ``trace`` (plain segments only) on ``sim`` from the segments ``start``
     (``(address, size, is_small, stream)``) and its prelude blocks where they were recorded.

@@ -46,7 +46,10 @@ KNOWN_ACTIONS = frozenset(
 
 
 class Event(NamedTuple):
-    """One trace event: ``action`` is ``alloc``, ``free`` or ``oom`` (a recorded failure)."""
+    """One trace event: ``action`` is ``alloc``, ``free``, ``oom`` (a recorded failure), or what
+    the job did to its pool: ``empty_cache`` (a call of ``torch.cuda.empty_cache()``) or
+    ``oom_release`` (PyTorch's out-of-memory path releasing its cache before a retry). A
+    release's ``size`` is the bytes the recorded allocator gave back."""
 
     action: str
     address: int
@@ -82,6 +85,13 @@ class Trace:
     def allocations(self) -> int:
         """How many allocations the trace makes (failed ones excluded)."""
         return self._native.allocations
+
+    @property
+    def capacity(self) -> int | None:
+        """The most bytes the job could hold on its GPU, inferred from the snapshot's ``oom``
+        entries (each records the device's free bytes beside what the job had reserved);
+        ``None`` without any. Other processes and the CUDA context take the rest of the GPU."""
+        return self._native.capacity
 
     def __len__(self) -> int:
         return len(self._native)
@@ -415,7 +425,8 @@ def _from_snapshot(snapshot: Any, device: Any, name: str) -> Trace:
         rows.append(row)
     for action, count in sorted(skipped.items()):
         warnings.warn(f"{where}: skipped {count} '{action}' entries this version does not know", stacklevel=3)
-    native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name))
+    final_reserved = sum(_u64(s.get("total_size"), "total_size", f"{name}, segment {i}") for i, s in segments)
+    native = _native.Trace.from_snapshot_entries(where, rows, _live_before(rows, segments, name), final_reserved)
     # Only where no allocation was recorded: otherwise the entries tell what the histories do.
     recorded = any(row[0] == "alloc" for row in rows)
     histories = 0 if recorded else sum(_carries_history(b) for _, s in segments for b in s.get("blocks", []))
@@ -435,13 +446,20 @@ def replay(
     capacity: int | str | None = None,
     min_capacity: bool = False,
     device: str = "sim",
+    honour_job: bool = True,
 ) -> ReplayResult:
     """Replays ``trace`` (a ``Trace`` or a file to load) on a fresh pool with ``config``
     (PyTorch's ``key:value,...`` string) over ``device`` (``sim``, unlimited unless ``capacity``
     is given, or ``host``). Allocations that do not fit are counted in ``ooms`` and skipped.
     With ``min_capacity``, also searches for the smallest ``sim`` capacity without an OOM, to
     within 0.02% (``min_capacity_bytes`` is ``None`` if it finds none up to about 7,500 times
-    the unlimited peak reserved, or if every allocation fails even on an unlimited device)."""
+    the unlimited peak reserved, or if every allocation fails even on an unlimited device).
+
+    By default the replay repeats what the job did to its pool: ``empty_cache()`` where the
+    job called it, and each request that failed when recorded, tried again (and freed at
+    once if it is served: the job went on without it). The out-of-memory path's releases
+    are left to the replayed pool's own. ``honour_job=False`` replays the requests alone."""
     if not isinstance(trace, Trace):
         trace = load(trace)
-    return _native.replay(trace._native, config, capacity, min_capacity, device)
+    job = "honour" if honour_job else "ignore"
+    return _native.replay(trace._native, config, capacity, min_capacity, device, job=job)

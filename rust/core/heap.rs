@@ -791,15 +791,17 @@ impl Heap {
         self.segments[sid as usize].as_ref().expect("block of a released segment")
     }
 
-    /// Every segment that is all free (an expandable one also fully unmapped), with its address
-    /// and size. The caller gives each back to the device, then removes it with
+    /// Every segment that is all free (an expandable one also fully unmapped), with its address,
+    /// size and stream, in the order PyTorch releases them. The caller gives each back to the device, then removes it with
     /// [`Heap::remove_segment`]: a refusal then leaves the heap and the device in agreement.
-    pub fn free_segments(&self) -> Vec<(SegmentId, u64, u64)> {
-        (0..self.segments.len())
+    pub fn free_segments(&self) -> Vec<(SegmentId, u64, u64, u32)> {
+        let mut free: Vec<(SegmentId, &Segment)> = (0..self.segments.len())
             .filter_map(|sid| Some((sid as SegmentId, self.segments[sid].as_ref()?)))
             .filter(|(_, seg)| self.is_fully_free(seg) && !(seg.expandable && seg.mapped != 0))
-            .map(|(sid, seg)| (sid, seg.address, seg.size))
-            .collect()
+            .collect();
+        // PyTorch's order: the large pool, then the small one, each by (stream, size, address).
+        free.sort_by_key(|(_, seg)| (seg.kind == PoolKind::Small, seg.stream, seg.size, seg.address));
+        free.into_iter().map(|(sid, seg)| (sid, seg.address, seg.size, seg.stream)).collect()
     }
 
     /// Whether every block of `seg` is free. Usually that is one block; free blocks of

@@ -60,6 +60,16 @@ impl PyTrace {
         Ok(PyTrace { trace: Arc::new(trace), name })
     }
 
+    /// How many events of each action the trace holds (`alloc`, `free`, `oom`, `empty_cache`,
+    /// `oom_release`).
+    fn action_counts(&self) -> std::collections::BTreeMap<&'static str, usize> {
+        let mut counts = std::collections::BTreeMap::new();
+        for e in self.trace.events() {
+            *counts.entry(e.action.name()).or_insert(0) += 1;
+        }
+        counts
+    }
+
     /// The most bytes the job could hold on its GPU, from its `oom` entries (each records the
     /// device's free bytes beside what the job had reserved); `None` without any.
     #[getter]

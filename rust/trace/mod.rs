@@ -202,7 +202,7 @@ impl Trace {
                 builder.trace.recorded_reserved.extend(std::iter::repeat_n(reserved, missing));
             }
         }
-        builder.trace.capacity = record.capacity;
+        builder.set_capacity(record.capacity);
         Ok(builder.finish())
     }
 
@@ -240,7 +240,7 @@ impl Trace {
                 _ => {}
             }
         }
-        builder.trace.capacity = record.capacity;
+        builder.set_capacity(record.capacity);
         builder.finish()
     }
 }
@@ -298,6 +298,11 @@ impl TraceBuilder {
     pub fn failure(&mut self, size: u64, stream: u64, time_ns: u64) {
         let stream = self.stream(stream);
         self.trace.events.push(Event { action: Action::Failure, stream, slot: NO_SLOT, address: 0, size, time_ns });
+    }
+
+    /// Says how many bytes the job could hold on its GPU (see [`Trace::capacity`]).
+    pub fn set_capacity(&mut self, capacity: Option<u64>) {
+        self.trace.capacity = capacity;
     }
 
     /// Records a release of cached memory (`bytes` given back as recorded).

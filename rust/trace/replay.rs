@@ -115,8 +115,9 @@ pub fn driver_calls(stats: &Stats) -> u64 {
 pub enum JobActions {
     /// Requests only: recorded failures are skipped and recorded releases ignored.
     Ignore,
-    /// `empty_cache()` where the job called it, and recorded failures tried again (freed at
-    /// once when served); the out-of-memory path's releases are left to the pool's own.
+    /// `empty_cache()` where the job called it, and recorded failures tried again where the
+    /// trace knows the GPU the job had (freed at once when served); the out-of-memory path's
+    /// releases are left to the pool's own.
     #[default]
     Honour,
     /// [`JobActions::Honour`], and the out-of-memory path's releases where the recorded run
@@ -194,7 +195,7 @@ impl Cursor {
                 }
                 Action::Failure if self.job == JobActions::Ignore => {}
                 Action::Failure => {
-                    self.retry_failure(pool, e.size, e.stream)?;
+                    self.retry_failure(pool, e.size, e.stream, trace.capacity())?;
                     if self.failed() {
                         return Ok(());
                     }
@@ -224,19 +225,35 @@ impl Cursor {
         Ok(())
     }
 
-    /// A request that failed when the trace was recorded, tried again: served, it is freed at
-    /// once (the job went on without it); refused, it fails as recorded.
-    fn retry_failure<D: Device>(&mut self, pool: &mut Pool<D>, size: u64, stream: u32) -> Result<(), PoolError> {
+    /// A request that failed when the trace was recorded, on the GPU the job had (`gpu`): tried
+    /// again, it is freed at once if served (the job went on without it) and counted if refused.
+    /// One larger than that GPU is refused untried: no configuration could have served it there,
+    /// so it fails everywhere, as requests beyond any device do, and weighs on no capacity.
+    /// Where the GPU is unknown (a trace without `oom` entries that say it), the failure is
+    /// skipped: nothing says what a retry would have met.
+    fn retry_failure<D: Device>(
+        &mut self,
+        pool: &mut Pool<D>,
+        size: u64,
+        stream: u32,
+        gpu: Option<u64>,
+    ) -> Result<(), PoolError> {
+        let Some(gpu) = gpu else { return Ok(()) };
         self.allocations += 1;
-        match pool.alloc_on(size, self.streams[stream as usize]) {
-            Ok(a) => pool.free(a.handle),
-            Err(PoolError::OutOfMemory(_) | PoolError::InvalidSize(_)) => {
-                self.ooms += 1;
-                self.ooms_as_recorded += 1;
-                Ok(())
-            }
-            Err(other) => Err(other),
+        let refused = size > gpu
+            || match pool.alloc_on(size, self.streams[stream as usize]) {
+                Ok(a) => {
+                    pool.free(a.handle)?;
+                    false
+                }
+                Err(PoolError::OutOfMemory(_) | PoolError::InvalidSize(_)) => true,
+                Err(other) => return Err(other),
+            };
+        if refused {
+            self.ooms += 1;
+            self.ooms_as_recorded += 1;
         }
+        Ok(())
     }
 
     fn release<D: Device>(&mut self, pool: &mut Pool<D>) -> Result<(), PoolError> {
@@ -615,6 +632,9 @@ mod tests {
         b.free(0x3000, 0, 5).unwrap();
         b.release(Action::OomRelease, 40 * MIB, 0, 6);
         b.failure(64 * MIB, 0, 7);
+        // Beyond the GPU: refused everywhere, untried.
+        b.failure(200 * MIB, 0, 8);
+        b.set_capacity(Some(100 * MIB));
         b.finish()
     }
 
@@ -636,21 +656,26 @@ mod tests {
         // one); the out-of-memory release is the pool's own business; the failure is tried,
         // served on an unlimited device and freed at once.
         let (honoured, reserved) = run(JobActions::Honour, u64::MAX);
-        assert_eq!((honoured.releases, honoured.ooms, honoured.allocations), (1, 0, 4));
+        assert_eq!((honoured.releases, honoured.ooms, honoured.allocations), (1, 1, 5));
         assert_eq!(reserved, 20 * MIB + 40 * MIB + 64 * MIB, "the failed request's segment stays cached");
         // As run: the out-of-memory path's release too; on 80 MiB the request fails again.
         let (as_run, reserved) = run(JobActions::AsRun, 80 * MIB);
-        assert_eq!((as_run.releases, as_run.ooms, as_run.ooms_as_recorded), (2, 1, 1));
+        assert_eq!((as_run.releases, as_run.ooms, as_run.ooms_as_recorded), (2, 2, 2));
         assert_eq!(reserved, 20 * MIB);
     }
 
-    /// A recorded failure counts in the search: the least capacity holds the failed request too.
+    /// A recorded failure that the GPU could hold counts in the search: the least capacity
+    /// holds the failed request too. Without a known GPU the failure is skipped.
     #[test]
     fn min_capacity_includes_requests_that_failed_when_recorded() {
         let config = Config::parse("strategy:pytorch").unwrap();
         let min = min_capacity(&job_trace(), &config, 0.005).unwrap().unwrap();
         assert!(min.bytes >= 64 * MIB + 20 * MIB, "{min:?}");
-        assert_eq!(replay_sim(&job_trace(), &config, min.bytes).unwrap().ooms, 0);
+        assert_eq!(replay_sim(&job_trace(), &config, min.bytes).unwrap().ooms, 1, "only the one beyond the GPU");
+        let mut unknown = job_trace();
+        unknown.capacity = None;
+        let min = min_capacity(&unknown, &config, 0.005).unwrap().unwrap();
+        assert!(min.bytes < 64 * MIB, "{min:?}");
     }
 
     /// Capacities that run a trace need not form one interval: the check moves an answer that

@@ -51,6 +51,8 @@ class CandidateResult:
     # Whether it runs on the device given with ``capacity`` (None without one).
     fits: bool | None
     headroom_bytes: int | None
+    # Whether the bisection's answer did not hold when replayed and a search past it found this.
+    min_capacity_corrected: bool
     # (event index, reserved bytes, live bytes), each point the highest until the next.
     timeline: tuple[list[int], list[int], list[int]] = field(repr=False)
 
@@ -73,6 +75,7 @@ class CandidateResult:
             "as_run": self.as_run,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "min_capacity_bytes": self.min_capacity_bytes,
+            "min_capacity_corrected": self.min_capacity_corrected,
             "fragmentation_bytes": self.fragmentation_bytes,
             "driver_calls": self.driver_calls,
             "fits": self.fits,
@@ -99,6 +102,19 @@ class Recorded:
     replayed_from: str
     start_reserved_bytes: int
     inert_keys: list[str]
+    # The most the replayed reserved bytes differed from the recorded ones at one event; None
+    # where the snapshot has no segment events to rebuild the recorded curve from.
+    largest_gap_bytes: int | None
+    # What the job did to its pool, as the history shows it: calls of empty_cache(), releases
+    # of the out-of-memory path, out-of-memory errors, and how many of those the replay of the
+    # recorded settings on the job's GPU hit again.
+    empty_cache_calls: int
+    oom_releases: int
+    ooms: int
+    ooms_repeated: int
+    # (event index, recorded reserved bytes) at the as-run timeline's points; empty lists
+    # when unknown.
+    timeline: tuple[list[int], list[int]] = field(repr=False)
 
     @property
     def label(self) -> str:
@@ -117,6 +133,11 @@ class Recorded:
             "replayed_from": self.replayed_from,
             "start_reserved_bytes": self.start_reserved_bytes,
             "inert_keys": self.inert_keys,
+            "largest_gap_bytes": self.largest_gap_bytes,
+            "empty_cache_calls": self.empty_cache_calls,
+            "oom_releases": self.oom_releases,
+            "ooms": self.ooms,
+            "ooms_repeated": self.ooms_repeated,
         }
 
 
@@ -164,7 +185,12 @@ class Advice:
     # "history" (allocations recorded) or "segments" (only the final segments: the figures are
     # for holding the blocks live at the snapshot).
     scope: str
+    # The device size figures are checked against: given by the user, else the GPU the job had.
     capacity_bytes: int | None
+    # "given", "oom entries" (inferred from the snapshot's out-of-memory errors) or None.
+    capacity_source: str | None
+    # The most the job could hold on its GPU, from its oom entries (device free beside reserved).
+    gpu_capacity_bytes: int | None
     recorded: Recorded
     candidates: list[CandidateResult]
     recommended: dict[str, Recommendation]
@@ -185,6 +211,8 @@ class Advice:
             "peak_live_bytes": self.peak_live_bytes,
             "scope": self.scope,
             "capacity_bytes": self.capacity_bytes,
+            "capacity_source": self.capacity_source,
+            "gpu_capacity_bytes": self.gpu_capacity_bytes,
             "recorded": self.recorded.as_dict(),
             "candidates": [c.as_dict() for c in self.candidates],
             "recommended": {family: r.as_dict() for family, r in self.recommended.items()},

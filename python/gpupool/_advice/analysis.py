@@ -33,16 +33,21 @@ def _replay_all(
     workers: int | None = None,
 ) -> list[tuple[Any, list[tuple[str, int]]]]:
     """Every candidate with its min-capacity search, on ``workers`` threads (one per core by
-    default): PyTorch's plain
-    segments from the recorded start (the as-run one with its segment decisions), the others
-    from the blocks live at the start."""
+    default): PyTorch's plain segments from the recorded start (the as-run one with its segment
+    decisions), the others from the blocks live at the start. Each repeats the job's
+    ``empty_cache()`` calls; the configuration that ran also repeats the out-of-memory path's
+    releases, on the GPU the job had where its ``oom`` entries say, so that the recorded errors
+    happen again where they happened. The others run their own out-of-memory paths."""
     segments = [(s.address, s.size, s.small, s.stream) for s in state.segments]
 
     def run(c: _candidates.Candidate) -> tuple[Any, list[tuple[str, int]]]:
+        job, capacity = ("as_run", trace.capacity) if c.as_run else ("honour", None)
         if c.seeded:
-            result, decisions, _ = _native.replay_from_start(trace, c.config, segments, True, c.as_run)
+            result, decisions, _ = _native.replay_from_start(
+                trace, c.config, segments, True, c.as_run, capacity, job=job
+            )
             return result, decisions
-        return _native.replay(trace, c.config, None, True, tolerance=TOLERANCE), []
+        return _native.replay(trace, c.config, capacity, True, tolerance=TOLERANCE, job=job), []
 
     if progress:
         progress(0, len(options), "replaying")
@@ -72,6 +77,7 @@ def _candidate_result(c: _candidates.Candidate, result: Any, capacity: int | Non
         driver_calls=result.device_calls,
         fits=fits,
         headroom_bytes=None if capacity is None or minimum is None else capacity - minimum,
+        min_capacity_corrected=result.min_capacity_corrected,
         timeline=result.timeline,
     )
 
@@ -140,7 +146,10 @@ def _start_notes(record: DeviceRecord, state: start.StartState, scope: str) -> l
         )
     failures = record.actions["oom"]
     if failures:
-        notes.append(f"The recorded run hit {failures} out-of-memory errors; replays skip those requests as it did.")
+        notes.append(
+            f"The recorded run hit {failures} out-of-memory errors. Replays try those requests again and free them at "
+            "once when served: min capacities are the devices that run the history without them."
+        )
     for action, count in sorted(record.skipped_actions.items()):
         notes.append(f"Skipped {count} '{action}' entries this version does not know.")
     return notes
@@ -150,7 +159,8 @@ def _recorded(
     record: DeviceRecord,
     ran: settings.Settings,
     state: start.StartState,
-    as_run: CandidateResult,
+    trace: _native.Trace,
+    as_run: Any,
     seeded: bool,
     replayed_decisions: list[tuple[str, int]],
 ) -> tuple[Recorded, list[str]]:
@@ -165,6 +175,7 @@ def _recorded(
     if not ran.recorded:
         shown = ", with the expandable segments its segments show" if ran.expandable else ""
         notes.append(f"The snapshot records no allocator settings: PyTorch's defaults are assumed{shown}.")
+    actions = trace.action_counts()
     recorded = Recorded(
         config=ran.env,
         settings_recorded=ran.recorded,
@@ -176,8 +187,24 @@ def _recorded(
         replayed_from="recorded start" if seeded else "live blocks",
         start_reserved_bytes=state.reserved_bytes,
         inert_keys=list(ran.inert),
+        largest_gap_bytes=as_run.largest_gap_bytes,
+        empty_cache_calls=actions.get("empty_cache", 0),
+        oom_releases=actions.get("oom_release", 0),
+        ooms=actions.get("oom", 0),
+        ooms_repeated=as_run.ooms_as_recorded,
+        timeline=(as_run.timeline[0], as_run.recorded_reserved_bytes),
     )
     return recorded, notes
+
+
+def _corrected_notes(results: Sequence[CandidateResult]) -> list[str]:
+    moved = [r.label for r in results if r.min_capacity_corrected]
+    if not moved:
+        return []
+    return [
+        "The bisection's min capacity did not hold when replayed (an out-of-memory error on it, or none "
+        f"{TOLERANCE:.1%} below it) for {', '.join(moved)}: a search past it found the one shown."
+    ]
 
 
 def advise_device(
@@ -191,13 +218,17 @@ def advise_device(
     state = start.starting_state(record.rows, record.segments)
     where = f"{name}, device {record.device}"
     before = [(b.address, b.requested, b.stream) for b in state.blocks]
-    trace = _native.Trace.from_snapshot_entries(where, record.rows, before)
+    final_reserved = sum(s.size for s in record.segments)
+    trace = _native.Trace.from_snapshot_entries(where, record.rows, before, final_reserved)
     scope = "history" if record.allocations else "segments"
     options = _candidates.candidates(ran.env)
     replays = _replay_all(trace, options, state, progress)
+    # Without a capacity given, what fits is said against the GPU the job had, where known.
+    capacity_source = "given" if capacity is not None else "oom entries" if trace.capacity is not None else None
+    capacity = capacity if capacity is not None else trace.capacity
     results = [_candidate_result(c, r, capacity) for c, (r, _) in zip(options, replays, strict=True)]
     at = next(i for i, c in enumerate(options) if c.as_run)
-    recorded, recorded_notes = _recorded(record, ran, state, results[at], options[at].seeded, replays[at][1])
+    recorded, recorded_notes = _recorded(record, ran, state, trace, replays[at][0], options[at].seeded, replays[at][1])
     frames_at_start = {b.address: b.frames for s in record.segments for b in s.blocks if b.live}
     start_blocks = [(b.address, b.requested, frames_at_start.get(b.address, ())) for b in state.blocks]
     return Advice(
@@ -208,11 +239,13 @@ def advise_device(
         peak_live_bytes=trace.peak_live_bytes,
         scope=scope,
         capacity_bytes=capacity,
+        capacity_source=capacity_source,
+        gpu_capacity_bytes=trace.capacity,
         recorded=recorded,
         candidates=results,
         recommended={family: _recommend(results, family) for family in ("pytorch", "gpupool")},
         top_sites=sites.at_peak(record.rows, record.frames, start_blocks, TOP_SITES),
-        notes=_start_notes(record, state, scope) + recorded_notes,
+        notes=_start_notes(record, state, scope) + recorded_notes + _corrected_notes(results),
     )
 
 
