@@ -165,19 +165,21 @@ impl Bins {
 
     #[inline(always)]
     fn best_in_bin(&self, blocks: &[Block], bin: usize, size: u64) -> Option<u32> {
-        let mut best: Option<(u64, u32)> = None;
+        // Among equal sizes the lowest address, as PyTorch's (size, address) order: a choice
+        // that depends on where blocks lie, not on the order the slab handed out its slots.
+        let mut best: Option<(u64, u64, u32)> = None;
         let mut id = self.head(bin);
         for _ in 0..SCAN_LIMIT {
             if id == NIL {
                 break;
             }
             let b = &blocks[id as usize];
-            if b.size >= size && best.is_none_or(|(s, i)| (b.size, id) < (s, i)) {
-                best = Some((b.size, id));
+            if b.size >= size && best.is_none_or(|(s, a, _)| (b.size, b.address) < (s, a)) {
+                best = Some((b.size, b.address, id));
             }
             id = b.bin_next;
         }
-        best.map(|(_, id)| id)
+        best.map(|(_, _, id)| id)
     }
 
     /// Every free block held here, found through the bitmaps (cost grows with the blocks held,

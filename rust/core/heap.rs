@@ -247,6 +247,9 @@ impl Heap {
 
     fn insert_segment(&mut self, address: u64, size: u64, kind: PoolKind, stream: u32, expandable: bool) -> SegmentId {
         let mapped = if expandable { 0 } else { size };
+        // A range serves every stream from its free space, unless streams keep their memory
+        // apart: then it is its stream's alone, as PyTorch's expandable segments are.
+        let owner = if expandable && self.absorb_shared { SHARED } else { stream };
         let segment = Segment { address, size, kind, stream, mapped, runs: 0, expandable, idle_since: 0, head: NIL };
         let sid = match self.unused_segments.pop() {
             Some(sid) => {
@@ -267,7 +270,7 @@ impl Heap {
             next: NIL,
             bin_prev: NIL,
             bin_next: NIL,
-            stream: if expandable { SHARED } else { stream },
+            stream: owner,
             epoch: 0,
             kind,
             uses: 0,
@@ -278,7 +281,7 @@ impl Heap {
         if let Some(seg) = self.segments[sid as usize].as_mut() {
             seg.head = head;
         }
-        if !expandable {
+        if owner != SHARED {
             // The stream owns the fresh free space like memory it freed: a fence shares it.
             let e = self.epoch_mut(stream);
             e.unfenced = true;

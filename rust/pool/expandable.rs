@@ -388,7 +388,9 @@ impl Expandable {
         want: u64,
         keep: Option<(usize, std::ops::Range<u64>)>,
     ) -> Result<u64, DeviceError> {
-        let mut handles: Vec<(usize, std::ops::Range<u64>)> = Vec::new();
+        // Each handle with its free stretch's place in PyTorch's release order: the large pool,
+        // then the small one, each by size and address.
+        let mut handles: Vec<(usize, std::ops::Range<u64>, (bool, u64, u64))> = Vec::new();
         let mut idle: Vec<(u32, bool)> = Vec::new();
         for (index, range) in self.ranges.iter().enumerate() {
             let page_size = range.page_size;
@@ -412,27 +414,37 @@ impl Expandable {
                 if first >= end {
                     continue;
                 }
+                let order = (range.kind == PoolKind::Small, size, address);
                 for handle in range.pages.handles_within(first..end) {
                     let kept =
                         keep.as_ref().is_some_and(|(i, k)| *i == index && handle.start < k.end && k.start < handle.end);
                     if !kept {
-                        handles.push((index, handle));
+                        handles.push((index, handle, order));
                     }
                 }
             }
         }
+        // Everything goes back: the order only orders the calls, as PyTorch's release orders them.
+        // A partial release keeps address order (the lowest free handles first).
+        if want == u64::MAX {
+            handles.sort_by_key(|&(_, _, order)| order);
+        }
         let mut released = 0;
         // One handle per call (on CUDA, one mapping each), so a failure leaves every handle
         // before it unmapped and recorded as such, and the rest mapped.
-        for (index, handle) in handles {
+        for (index, handle, _) in handles {
             if released >= want {
                 break;
             }
             let range = &mut self.ranges[index];
             let (address, size) = range.extent(&handle);
             device.unmap(address, size)?;
+            // One entry for the handles of one free stretch, as PyTorch records one unmap a block.
             if let Some(calls) = self.calls.as_mut() {
-                calls.push((false, address, size));
+                match calls.last_mut().filter(|&&mut (mapped, at, len)| !mapped && at + len == address) {
+                    Some(last) => last.2 += size,
+                    None => calls.push((false, address, size)),
+                }
             }
             let runs = range.pages.touches_mapped(&handle) - 1;
             range.pages.unmap(handle);
@@ -592,6 +604,48 @@ impl Expandable {
     }
 
     /// Forgets the range at `address` after the heap released its (fully free, unmapped) segment.
+    /// The range of `kind`, reserved for at least `extent` bytes if there is none yet: for a
+    /// pool seeded with pages mapped before a replay began.
+    pub fn seed_range<D: Device>(
+        &mut self,
+        device: &mut D,
+        heap: &mut Heap,
+        kind: PoolKind,
+        stream: u32,
+        extent: u64,
+    ) -> Result<SegmentId, DeviceError> {
+        match self.ranges.iter().find(|r| r.kind == kind) {
+            Some(range) if range.pages.len() * range.page_size >= extent => Ok(range.segment),
+            Some(_) => Err(DeviceError::Unsupported("seeding pages beyond a range reserved before")),
+            None => self.grow(device, heap, kind, stream, extent),
+        }
+    }
+
+    /// Maps the pages under `[offset, offset + size)` of range `segment` that are not mapped
+    /// yet, as if mapped before the replay: no driver call is counted and none is logged.
+    pub fn seed_pages<D: Device>(
+        &mut self,
+        device: &mut D,
+        heap: &mut Heap,
+        segment: SegmentId,
+        offset: u64,
+        size: u64,
+    ) -> Result<(), DeviceError> {
+        let range = self.ranges.iter_mut().find(|r| r.segment == segment).ok_or(DeviceError::InvalidAddress(offset))?;
+        let end = offset.checked_add(size).filter(|&end| end <= range.pages.len() * range.page_size);
+        if size == 0 || end.is_none() {
+            return Err(DeviceError::InvalidAddress(offset));
+        }
+        for run in range.pages.runs(range.pages_under(range.base + offset, size), false) {
+            let (address, bytes) = range.extent(&run);
+            device.map(address, bytes, range.page_size)?;
+            let runs = 1 - range.pages.touches_mapped(&run);
+            range.pages.map(run, 1);
+            heap.note_mapped(range.segment, bytes, true, runs);
+        }
+        Ok(())
+    }
+
     pub fn forget(&mut self, address: u64) {
         self.ranges.retain(|r| r.base != address);
     }
