@@ -4,6 +4,7 @@ and the mouse, and the recommendation is on the page."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -61,6 +62,19 @@ def test_the_page_loads_and_draws_without_errors(report):
     assert int(re.search(r'data-drawn="(\d+)"', dom).group(1)) >= 3
     answer = re.search(r'<div class="answer" id="recommendation-0">(.*?)</div>', dom, re.S).group(1)
     assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in answer and "GPUPOOL_ALLOC_CONF=" in answer
+
+
+def test_the_recorded_run_is_drawn_beside_the_replays(report):
+    """The recorded reserved curve, rebuilt from the snapshot's segment events, is in the page's
+    data with the recorded peak, and the browser draws it."""
+    [advice] = gpupool.advise_each(shared_snapshot(WITH_SEGMENT_EVENTS))
+    data = json.loads(re.search(r'id="advice-data">(.*?)</script>', report.read_text(), re.S).group(1))
+    [recorded] = [s for s in data[0]["series"] if s["family"] == "recorded"]
+    assert recorded["shown"] and len(recorded["x"]) == len(recorded["y"]) > 1
+    scale = 1 << 30 if data[0]["unit"] == "GiB" else 1 << 20
+    assert max(recorded["y"]) == round(advice.recorded.peak_reserved_bytes / scale, 3)
+    dom, _ = browse(report)
+    assert int(re.search(r'data-recorded="(\d+)"', dom).group(1)) == len(recorded["y"])
 
 
 def test_the_chart_zooms_and_shows_values_on_hover(report, tmp_path):

@@ -14,7 +14,7 @@ from gpupool._advice import settings
 
 # Two small sources: one whose least capacity retries, one that must be cut short to retry
 # with expandable segments.
-SOURCES = [s for s in synth.SOURCES if "medium_128_inference" in s or "MAGMA27" in s]
+SOURCES = [s for s in synth.SOURCES if "medium_128_inference" in s or "bcrafton" in s]
 CASES = [(s, e) for s in SOURCES for e in (False, True)]
 
 

@@ -515,7 +515,9 @@ def test_record_dump_load_replay_gives_the_same_peaks(tmp_path, config):
     pool.record_history(max_entries=100_000)
     run_workload(pool)
     path = tmp_path / "recorded.csv.gz"
-    pool.dump_trace(path)
+    # The workload's empty_cache() has no word in RMM's log.
+    with pytest.warns(UserWarning, match="1 release of cached memory left out"):
+        pool.dump_trace(path)
     trace = gtrace.load(path)
     result = gpupool.replay(trace, config=config, capacity="4GiB")
     stats = pool.memory_stats()
@@ -625,12 +627,12 @@ def test_min_capacity_fits_and_sim_agrees_with_host(name):
 def test_min_capacity_is_bisected_to_a_fiftieth_of_a_percent():
     # Both searches halve the same interval; the finer one goes on from where the 0.5% one
     # stops, to a capacity that fits and lies above one that failed, within 0.5% of it. Each
-    # then answers the peak its replay there reserved, which fits too: whole pages, here
-    # 1,672 MiB against 1,674.
+    # then answers the peak its replay there reserved, which fits too (whole pages), and checks
+    # it: the coarse answer fails 0.5% below itself, so it is at most 0.5% above the fine one.
     trace = gtrace.load(shared_trace("resnet50_train.csv.gz"))
     fine = gpupool.replay(trace, "strategy:default", min_capacity=True).min_capacity_bytes
     coarse = _native.replay(trace._native, "strategy:default", None, True, "sim", 0.005).min_capacity_bytes
-    assert coarse * (1 - 0.005) <= fine < coarse
+    assert coarse * (1 - 0.005) <= fine <= coarse
     assert gpupool.replay(trace, "strategy:default", capacity=fine).ooms == 0
     for bad in (0.0, 1.0, -0.1, float("nan")):
         with pytest.raises(ValueError, match="tolerance"):

@@ -1,5 +1,7 @@
 """gpupool: a caching device-memory pool with PyTorch-compatible statistics."""
 
+import os
+import warnings
 from importlib.metadata import version
 
 from gpupool import _native
@@ -55,6 +57,18 @@ class Pool(_native.Pool):
     def memory_summary(self, abbreviated: bool = False) -> str:
         """The statistics as a table laid out like ``torch.cuda.memory_summary``."""
         return format_memory_summary(self.memory_stats(), abbreviated, device=self.device)
+
+    def dump_trace(self, path: str | os.PathLike[str]) -> None:
+        """Writes the recorded history as an RMM logging CSV (gzip if ``path`` ends in .gz).
+        RMM's log has no word for releases of cached memory (``empty_cache()`` calls, the
+        out-of-memory path's): they are left out, and a warning says how many."""
+        left_out = super().dump_trace(path)
+        if left_out:
+            warnings.warn(
+                f"{os.fspath(path)}: {left_out} release{'s' * (left_out != 1)} of cached memory left out"
+                " (RMM's CSV cannot say them)",
+                stacklevel=2,
+            )
 
     def __repr__(self) -> str:
         return (

@@ -150,8 +150,9 @@ class Pool:
         """PyTorch's snapshot dict; ``device_traces`` holds the recorded history."""
     def record_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
         """Records the newest ``max_entries`` events; ``enabled=False`` stops and discards."""
-    def dump_trace(self, path: str | PathLike[str]) -> None:
-        """Writes the recorded history as an RMM logging CSV (gzip if ``path`` ends in .gz)."""
+    def dump_trace(self, path: str | PathLike[str]) -> int:
+        """Writes the recorded history as an RMM logging CSV (gzip if ``path`` ends in .gz);
+        returns how many releases of cached memory the format could not say."""
     def check_invariants(self) -> None:
         """Raises AssertionError naming the broken invariant."""
     def device_memory_held(self) -> int:

@@ -46,6 +46,12 @@ def add_parser(commands: Any) -> None:
         help="replay only device N of a snapshot (default: every device with a history, or with "
         "segments where none has one; a row each)",
     )
+    parser.add_argument(
+        "--ignore-job",
+        action="store_true",
+        help="replay the requests alone: not the job's empty_cache() calls, nor retries of the requests "
+        "that failed when recorded (by default a replay repeats what the job did to its pool)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="PNG", help="draw reserved and live memory over time (needs matplotlib)")
     parser.set_defaults(handler=run)
@@ -89,6 +95,8 @@ def as_dict(result: ReplayResult) -> dict[str, Any]:
         "device_calls_per_1k_allocs": result.device_calls_per_1k_allocs,
         "driver_calls": result.driver_calls,
         "ooms": result.ooms,
+        "ooms_as_recorded": result.ooms_as_recorded,
+        "releases": result.releases,
         "events_per_second": result.events_per_second,
         "min_capacity_bytes": result.min_capacity_bytes,
         "min_capacity_utilization": result.min_capacity_utilization,
@@ -168,7 +176,7 @@ def run(args: argparse.Namespace) -> None:
                 if progress:
                     label = config or DEFAULT_CONFIG_LABEL
                     progress.show(len(results), f"{os.path.basename(trace.name)} ({label})")
-                results.append(replay(trace, config, args.capacity, args.min_capacity))
+                results.append(replay(trace, config, args.capacity, args.min_capacity, honour_job=not args.ignore_job))
     except (ValueError, OSError) as error:
         raise SystemExit(f"gpupool replay: {error}") from None
     finally:

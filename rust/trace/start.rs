@@ -5,7 +5,7 @@
 
 use super::replay::{bisect_capacity, checked_capacity, Cursor, JobActions, Metrics, MinCapacity, Timeline};
 use super::{Event, Trace};
-use crate::core::PoolKind;
+use crate::core::{PoolKind, SegmentId};
 use crate::device::{Device, DeviceError, Sim, StreamId, DEFAULT_STREAM};
 use crate::pool::{Config, HistoryAction, Pool, PoolError};
 use std::time::Instant;
@@ -32,8 +32,9 @@ pub struct FromStart {
     pub unplaced: usize,
 }
 
-/// Seeds `pool` (fresh, with plain segments) with `start` and the trace's prelude blocks at
-/// their recorded addresses, then replays the history, repeating what `job` says of the job's
+/// Seeds `pool` (fresh) with `start` and the trace's prelude blocks at their recorded
+/// addresses: plain segments as they were, or for a paged pool the recorded mapped ranges as
+/// mapped pages of one range per pool kind, at their recorded distances, then replays the history, repeating what `job` says of the job's
 /// own actions; with `decisions`, the pool's segment decisions are recorded.
 ///
 /// On a device too small for the whole start, segments holding live blocks are seeded first;
@@ -78,12 +79,22 @@ fn replay_with<D: Device>(
             holds[i] = true;
         }
     }
-    let mut seeded = vec![None; segments.len()];
+    // Each start segment's place: the pool's segment and the segment's offset in it (a paged
+    // pool holds every mapped range of a kind in one reserved range).
+    let mut seeded: Vec<Option<(SegmentId, u64)>> = vec![None; segments.len()];
+    let paged_ranges = if pool.is_paged() { paged_ranges(trace, &cursor, &segments, pool)? } else { Vec::new() };
     for live in [true, false] {
         for (i, s) in segments.iter().enumerate().filter(|&(i, _)| holds[i] == live) {
             let stream = pool_stream(trace, &cursor, s.stream);
-            match pool.seed_segment(s.size, s.kind, stream) {
-                Ok(sid) => seeded[i] = Some(sid),
+            let placed = match paged_ranges.iter().find(|r| r.0 == s.kind) {
+                Some(&(_, range, base)) => {
+                    pool.seed_pages(range, s.address - base, s.size).map(|()| (range, s.address - base))
+                }
+                None if pool.is_paged() => continue,
+                None => pool.seed_segment(s.size, s.kind, stream).map(|sid| (sid, 0)),
+            };
+            match placed {
+                Ok(place) => seeded[i] = Some(place),
                 Err(PoolError::Device(DeviceError::OutOfMemory { .. })) if live => cursor.count_oom(),
                 Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {}
                 Err(other) => return Err(other),
@@ -95,7 +106,7 @@ fn replay_with<D: Device>(
         let stream = cursor.streams[e.stream as usize];
         let placed = index
             .and_then(|i| Some((i, seeded[i]?)))
-            .and_then(|(i, sid)| pool.seed_block(sid, e.address - segments[i].address, e.size, stream));
+            .and_then(|(i, (sid, at))| pool.seed_block(sid, at + e.address - segments[i].address, e.size, stream));
         match placed {
             Some(a) => cursor.handles[e.slot as usize] = Some(a.handle),
             None => unplaced.push(e),
@@ -172,6 +183,31 @@ pub fn min_capacity_from_start(
         Some(found) => checked_capacity(fits_on, found, floor, tolerance).map(Some),
         None => Ok(None),
     }
+}
+
+/// For a paged pool, each pool kind's range, reserved to span that kind's start segments (the
+/// mapped ranges of PyTorch's expandable segments), with the recorded address its offsets
+/// count from: `(kind, range, base)`. A kind whose segments span more than any range reserves
+/// (several streams' reservations far apart) is left out: its blocks are allocated instead.
+fn paged_ranges<D: Device>(
+    trace: &Trace,
+    cursor: &Cursor,
+    segments: &[StartSegment],
+    pool: &mut Pool<D>,
+) -> Result<Vec<(PoolKind, SegmentId, u64)>, PoolError> {
+    let mut ranges = Vec::new();
+    for kind in PoolKind::ALL {
+        let mut of_kind = segments.iter().filter(|s| s.kind == kind);
+        let Some(first) = of_kind.next() else { continue };
+        let base = first.address;
+        let extent = of_kind.fold(first.address + first.size, |end, s| end.max(s.address + s.size)) - base;
+        match pool.seed_range(kind, pool_stream(trace, cursor, first.stream), extent) {
+            Ok(range) => ranges.push((kind, range, base)),
+            Err(PoolError::Device(DeviceError::OutOfMemory { .. } | DeviceError::Unsupported(_))) => {}
+            Err(other) => return Err(other),
+        }
+    }
+    Ok(ranges)
 }
 
 /// The pool stream of a traced stream handle: the trace's own, else the default stream (a
@@ -262,18 +298,37 @@ mod tests {
         assert!(short.metrics.ooms >= 1, "the segment holding live blocks does not fit");
     }
 
+    /// An expandable job warmed up: two mapped 20 MiB pages hold a live 4 MiB block and free
+    /// space, and a third page, mapped further on, a live 2 MiB one. The history's 30 MiB
+    /// request fits on the first two pages, as it did in the recorded run: no page is mapped.
     #[test]
-    fn paged_pools_cannot_be_seeded() {
-        let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:expandable").unwrap());
-        let start = [StartSegment { address: 0, size: 20 * MIB, kind: PoolKind::Large, stream: 0 }];
-        assert!(replay_from_start(
-            &TraceBuilder::default().finish(),
-            &start,
-            &mut pool,
-            None,
-            false,
-            JobActions::Honour
-        )
-        .is_err());
+    fn a_paged_pool_is_seeded_with_its_mapped_pages() {
+        let base = 0x7f00_0000_0000;
+        let mut b = TraceBuilder::default();
+        b.alloc(base, 4 * MIB, 0, 0).unwrap();
+        b.alloc(base + 100 * MIB, 2 * MIB + 1, 0, 0).unwrap();
+        b.begin_history();
+        b.alloc(base + 4 * MIB, 30 * MIB, 0, 1).unwrap();
+        b.free(base, 0, 2).unwrap();
+        let trace = b.finish();
+        let start = [
+            StartSegment { address: base, size: 40 * MIB, kind: PoolKind::Large, stream: 0 },
+            StartSegment { address: base + 100 * MIB, size: 20 * MIB, kind: PoolKind::Large, stream: 0 },
+        ];
+        let config = Config::parse("strategy:expandable,cross_stream_reuse:never").unwrap();
+        let mut pool = Pool::new(Sim::new(1 << 40), config.clone());
+        let from_start = replay_from_start(&trace, &start, &mut pool, None, true, JobActions::Honour).unwrap();
+        assert_eq!((from_start.segment_events.len(), from_start.unplaced), (0, 0), "{:?}", from_start.segment_events);
+        assert_eq!(from_start.metrics.peak_reserved_bytes, 60 * MIB);
+        pool.check_invariants().unwrap();
+        let layout: Vec<(u64, u64)> =
+            pool.segments().iter().map(|s| (s.address - pool.segments()[0].address, s.size)).collect();
+        assert_eq!(layout, [(0, 40 * MIB), (100 * MIB, 20 * MIB)], "the mapped ranges keep their distance");
+        // From nothing the same history maps pages for every block.
+        let mut fresh = Pool::new(Sim::new(1 << 40), config);
+        fresh.record_history(Some(100));
+        crate::trace::replay::replay(&trace, &mut fresh, None, JobActions::Honour).unwrap();
+        let maps = fresh.history().unwrap().entries().filter(|e| e.action == HistoryAction::SegmentMap).count();
+        assert!(maps >= 2, "{maps}");
     }
 }

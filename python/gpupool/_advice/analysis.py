@@ -167,7 +167,9 @@ def _recorded(
     decisions = fidelity.recorded_decisions(record.rows)
     notes = []
     if record.allocations and not seeded:
-        notes.append("Paged and driver-pooled runs are replayed from their live blocks, not their segments.")
+        notes.append(
+            "Runs on the driver's pool (cudaMallocAsync) are replayed from their live blocks, not their segments."
+        )
     if ran.inert:
         notes.append("Settings accepted without effect on device memory: " + ", ".join(ran.inert) + ".")
     if ran.unknown:

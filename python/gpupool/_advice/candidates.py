@@ -29,9 +29,15 @@ class Candidate:
 
     @property
     def seeded(self) -> bool:
-        """Whether it replays from the recorded start: PyTorch's plain segments can take over
-        the segments the job held; paged and other strategies start from the live blocks."""
-        return self.family == "pytorch" and self.config.startswith("strategy:pytorch")
+        """Whether it replays from the recorded start: PyTorch's plain segments take over the
+        segments the job held; its expandable segments, where they are what ran, the pages it
+        had mapped. The driver's pool, expandable segments the job did not run, and gpupool's
+        strategies start from the live blocks."""
+        if self.family != "pytorch":
+            return False
+        return self.config.startswith("strategy:pytorch") or (
+            self.as_run and self.config.startswith("strategy:expandable")
+        )
 
     @property
     def label(self) -> str:

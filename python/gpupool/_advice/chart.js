@@ -62,11 +62,12 @@
       ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
       const s = scales();
       ctx.clearRect(0, 0, s.width, s.height);
+      delete canvas.dataset.recorded;
       axes(ctx, s);
       let drawn = 0;
       for (const line of visible()) {
         ctx.strokeStyle = line.color;
-        ctx.lineWidth = line.name === "live" ? 1.5 : 1.2;
+        ctx.lineWidth = line.family === "recorded" ? 2.4 : line.name === "live" ? 1.5 : 1.2;
         ctx.setLineDash(line.name === "live" ? [5, 3] : []);
         ctx.beginPath();
         let started = false;
@@ -81,6 +82,7 @@
         }
         ctx.stroke();
         drawn += started ? 1 : 0;
+        if (started && line.family === "recorded") canvas.dataset.recorded = String(line.y.length);
       }
       ctx.setLineDash([]);
       canvas.dataset.drawn = String(drawn);

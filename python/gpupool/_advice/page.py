@@ -1,5 +1,5 @@
 """The ``--html`` report: one self-contained file (no network when viewed) with reserved and live
-memory of each configuration over the trace (a canvas chart with zoom and hover), the answer,
+memory of each configuration over the trace, beside what the recorded run held (a canvas chart with zoom and hover), the answer,
 the table and the top allocation sites."""
 
 from __future__ import annotations
@@ -43,9 +43,20 @@ def _series(c: CandidateResult, scale: int, shown: bool) -> dict[str, Any]:
     }
 
 
+# The recorded run's curve is drawn in black, thicker than the replays' (chart.js).
+RECORDED = "#000000"
+
+
 def _chart_data(advice: Advice, units: _Units) -> dict[str, Any]:
     best = {(r.family, r.config) for r in advice.recommended.values()}
     series = [_series(c, units.scale, c.as_run or (c.family, c.config) in best) for c in advice.candidates]
+    at, recorded = advice.recorded.timeline
+    if recorded:
+        # What the job really held, rebuilt from its segment events, beside the replays.
+        y = [round(v / units.scale, 3) for v in recorded]
+        series.insert(
+            0, {"name": "recorded run", "family": "recorded", "shown": True, "x": at, "y": y, "color": RECORDED}
+        )
     x, _, live = advice.as_run.timeline
     return {
         "unit": units.name,
@@ -99,6 +110,15 @@ def _recorded(advice: Advice, units: _Units) -> str:
         lines.append(
             f"peak reserved recorded {units(r.peak_reserved_bytes)}, replayed {units(r.replayed_peak_reserved_bytes)}"
         )
+    if r.largest_gap_bytes is not None:
+        lines.append(
+            f"the recorded and replayed reserved curves differ by at most {units.difference(r.largest_gap_bytes)}"
+        )
+    if advice.gpu_capacity_bytes is not None:
+        lines.append(
+            f"this job had about {units(advice.gpu_capacity_bytes)} of the GPU; replayed on that, {r.ooms_repeated} of "
+            f"its {r.ooms} out-of-memory errors happen again"
+        )
     if r.segment_decisions_matched is not None:
         lines.append(
             f"segment decisions reproduced in order: {r.segment_decisions_matched:.1%} of {r.segment_decisions}"
@@ -119,7 +139,7 @@ def _section(advice: Advice, index: int) -> str:
 <div class="answer" id="recommendation-{index}"><h2>The answer</h2>
 {_answer(advice.recommended["pytorch"], units)}{_answer(advice.recommended["gpupool"], units)}</div>
 {_recorded(advice, units)}
-<h2>Reserved memory of each configuration, and live memory, over the recorded history</h2>
+<h2>Reserved memory of the recorded run and of each configuration, and live memory, over the recorded history</h2>
 <div class="chart" id="chart-{index}"><div class="legend"></div><canvas></canvas><div class="tip"></div></div>
 <p class="hint">Wheel: zoom; drag: pan; double-click: whole trace; tick a configuration to draw it.</p>
 <h2>Every configuration (min capacity: the smallest device that runs {what})</h2>

@@ -52,11 +52,16 @@ def _recorded(advice: Advice, size: _Units) -> list[str]:
             f"  peak reserved: recorded {size(r.peak_reserved_bytes)}, replayed {size(r.replayed_peak_reserved_bytes)}"
             f" ({drift:+.1%})"
         )
+        if r.largest_gap_bytes is not None:
+            lines.append(
+                f"  the two reserved curves differ by at most {size.difference(r.largest_gap_bytes)} at one event"
+            )
     else:
         lines.append(
             f"  peak reserved, replayed: {size(r.replayed_peak_reserved_bytes)} (the snapshot has no segment events to"
             " compare with)"
         )
+    lines += _job(advice, size)
     if r.segment_decisions_matched is not None:
         matched = round(r.segment_decisions_matched * r.segment_decisions)
         lines.append(
@@ -65,6 +70,33 @@ def _recorded(advice: Advice, size: _Units) -> list[str]:
         )
     elif r.segment_decisions:
         lines.append(f"  {r.segment_decisions} recorded segment decisions; too different to match in order")
+    return lines
+
+
+def _times(count: int) -> str:
+    return "once" if count == 1 else f"{count:,} times"
+
+
+def _job(advice: Advice, size: _Units) -> list[str]:
+    """What the job did to its pool, and the GPU it had, as the history shows them."""
+    r, lines = advice.recorded, []
+    did = []
+    if r.empty_cache_calls:
+        did.append(f"called empty_cache() {_times(r.empty_cache_calls)}")
+    if r.oom_releases:
+        did.append(f"released its cache to retry a request {_times(r.oom_releases)} (the out-of-memory path)")
+    if r.ooms:
+        did.append(f"hit an out-of-memory error {_times(r.ooms)}")
+    if did:
+        lines.append("  the job " + "; ".join(did) + "; replays repeat what it did")
+    if advice.gpu_capacity_bytes is not None:
+        lines.append(
+            f"  this job had about {size(advice.gpu_capacity_bytes)} of the GPU (reserved plus free bytes at its"
+            " out-of-memory errors)"
+        )
+        lines.append(
+            f"  replayed on that, {r.ooms_repeated:,} of the {r.ooms:,} recorded errors happen again at the same request"
+        )
     return lines
 
 
@@ -112,10 +144,13 @@ def _answer(r: Recommendation, advice: Advice, size: _Units) -> list[str]:
     lines = [f"  {who + ':':<9}{env}", f"{'':11}needs {size(r.min_capacity_bytes)}; {saving}"]
     if advice.capacity_bytes is not None:
         room = advice.capacity_bytes - r.min_capacity_bytes
+        where = "the GPU the job had, " if advice.capacity_source == "oom entries" else ""
         if room >= 0:
-            lines.append(f"{'':11}fits on {size(advice.capacity_bytes)} ({size.difference(room)} headroom)")
+            lines.append(f"{'':11}fits on {where}{size(advice.capacity_bytes)} ({size.difference(room)} headroom)")
         else:
-            lines.append(f"{'':11}does not fit on {size(advice.capacity_bytes)} ({size.difference(-room)} short)")
+            lines.append(
+                f"{'':11}does not fit on {where}{size(advice.capacity_bytes)} ({size.difference(-room)} short)"
+            )
     return lines
 
 
@@ -146,9 +181,9 @@ def report(advice: Advice) -> str:
         f"min capacity: the smallest device that {what}. fragmented: peak reserved minus peak live. "
         "calls: CUDA driver calls that obtain or return memory (cuMemAlloc and cuMemFree for plain "
         "segments; cuMemCreate, cuMemMap, cuMemRelease per physical handle and cuMemSetAccess per "
-        "mapped run, cuMemUnmap per handle for paged ones). PyTorch's plain segments "
-        "replay from the segments and blocks the job held when recording began; the other "
-        "configurations from those blocks alone, allocated first."
+        "mapped run, cuMemUnmap per handle for paged ones). PyTorch's own settings replay from the "
+        "segments (or mapped pages) and blocks the job held when recording began; gpupool's "
+        "strategies from those blocks alone, allocated first."
     )
     lines += [""] + _wrap(legend, "", "") + ["", "Answer"]
     lines += _answer(advice.recommended["pytorch"], advice, size)
