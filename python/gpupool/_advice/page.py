@@ -1,6 +1,6 @@
 """The ``--html`` report: one self-contained file (no network when viewed) with reserved and live
-memory of each configuration over the trace, beside what the recorded run held (a canvas chart with zoom and hover), the answer,
-the table and the top allocation sites."""
+memory of each configuration over the trace beside what the recorded run held (a canvas chart
+with zoom and hover), the answer, the table and the top allocation sites."""
 
 from __future__ import annotations
 

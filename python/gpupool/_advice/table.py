@@ -95,7 +95,8 @@ def _job(advice: Advice, size: _Units) -> list[str]:
             " out-of-memory errors)"
         )
         lines.append(
-            f"  replayed on that, {r.ooms_repeated:,} of the {r.ooms:,} recorded errors happen again at the same request"
+            f"  replayed on that, {r.ooms_repeated:,} of the {r.ooms:,} recorded errors happen again"
+            " at the same request"
         )
     return lines
 
