@@ -319,12 +319,13 @@ mod tests {
     }
 
     #[test]
-    fn prefers_smaller_then_lower_index_in_a_bin() {
+    fn prefers_smaller_then_lower_address_in_a_bin() {
         let mut blocks = vec![block(0, (1 << 20) + 4096), block(3 << 20, 1 << 20), block(1 << 20, 1 << 20)];
         let mut bins = Bins::default();
         for id in 0..3 {
             bins.insert(&mut blocks, id);
         }
-        assert_eq!(bins.find(&blocks, 1 << 20, u64::MAX), Some(1));
+        // Blocks 1 and 2 are the same size: the one at the lower address, whatever its slot.
+        assert_eq!(bins.find(&blocks, 1 << 20, u64::MAX), Some(2));
     }
 }
