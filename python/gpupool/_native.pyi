@@ -37,14 +37,17 @@ class DevicePtr:
     """One allocation; dropping the last reference frees it."""
 
     @property
-    def ptr(self) -> int: ...
+    def ptr(self) -> int:
+        """The allocation's address as an int (0 for a zero-byte allocation)."""
     @property
     def size(self) -> int:
         """Requested bytes."""
     @property
-    def device(self) -> str: ...
+    def device(self) -> str:
+        """The name of the pool's device: ``host``, ``sim`` or ``cuda:N``."""
     @property
-    def freed(self) -> bool: ...
+    def freed(self) -> bool:
+        """Whether the allocation was freed, by ``free()``, ``Pool.free`` or leaving a ``with`` block."""
     @property
     def exports(self) -> int:
         """Live exports of the bytes (arrays, views, DLPack capsules)."""
@@ -77,8 +80,13 @@ class DevicePtr:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None: ...
-    def copy_from_host(self, data: Buffer, offset: int = 0) -> None: ...
-    def copy_to_host(self, offset: int = 0, size: int | None = None) -> bytes: ...
+    def copy_from_host(self, data: Buffer, offset: int = 0) -> None:
+        """Copies the bytes of ``data`` (any buffer-protocol object) into the allocation from byte ``offset``, after
+        the work queued on its stream. A span past the allocation's end, a freed pointer or a device without copies
+        (``sim``) is a ValueError."""
+    def copy_to_host(self, offset: int = 0, size: int | None = None) -> bytes:
+        """The allocation's bytes, or ``size`` bytes from byte ``offset``, copied into a new ``bytes``. A span past
+        the allocation's end, a freed pointer or a device without copies (``sim``) is a ValueError."""
     def record_stream(self, stream: Stream) -> None:
         """Marks use on another stream: freeing waits for that stream's queued work."""
 
@@ -86,7 +94,8 @@ class Export:
     """A live export of an allocation's bytes: they are neither reused nor unmapped while it lives."""
 
     @property
-    def ptr(self) -> DevicePtr: ...
+    def ptr(self) -> DevicePtr:
+        """The allocation exported."""
     @property
     def __array_interface__(self) -> dict[str, Any]: ...
     @property
@@ -121,31 +130,54 @@ class Pool:
     ) -> None:
         """``device`` is ``host``, ``sim`` or ``cuda:N``; by default ``cuda:0`` when usable, else ``host``."""
     @property
-    def device(self) -> str: ...
+    def device(self) -> str:
+        """The name of the pool's device: ``host``, ``sim`` or ``cuda:N``."""
     @property
-    def capacity(self) -> int | None: ...
+    def capacity(self) -> int | None:
+        """The capacity in bytes given when the pool was made; None if none was given."""
     @property
     def config(self) -> dict[str, str | int | float | bool | dict[str, int] | None]:
         """The effective settings by config key; None for unset or unlimited."""
-    def alloc(self, size: int, stream: Stream | None = None) -> DevicePtr: ...
+    def alloc(self, size: int, stream: Stream | None = None) -> DevicePtr:
+        """Allocates ``size`` bytes for use on ``stream`` (by default the default stream); 0 bytes gives an empty
+        pointer. Raises OutOfMemoryError, with the request and the pool's figures in bytes, when the device cannot
+        provide the memory."""
     def stream(self) -> Stream:
         """A new stream on this pool's device."""
     def external_stream(self, handle: int) -> Stream:
-        """Wraps a CUDA stream made elsewhere (e.g. ``torch.cuda.current_stream().cuda_stream``)."""
+        """Wraps a CUDA stream made elsewhere by its raw handle (e.g. ``torch.cuda.current_stream().cuda_stream``);
+        gpupool never destroys it. CUDA devices only."""
     @property
-    def default_stream(self) -> Stream: ...
-    def record_stream(self, ptr: DevicePtr, stream: Stream) -> None: ...
+    def default_stream(self) -> Stream:
+        """The pool's default stream (id 0), which allocations made without a stream use."""
+    def record_stream(self, ptr: DevicePtr, stream: Stream) -> None:
+        """Marks ``ptr`` as used on ``stream``: its free waits for that stream's queued work. A ``ptr`` of another
+        pool is a ValueError."""
     def synchronize(self) -> None:
-        """Waits for every pending event; the blocks they held back become reusable."""
-    def free(self, ptr: DevicePtr) -> None: ...
-    def memory_stats(self) -> dict[str, int]: ...
-    def memory_allocated(self) -> int: ...
-    def memory_reserved(self) -> int: ...
-    def max_memory_allocated(self) -> int: ...
-    def max_memory_reserved(self) -> int: ...
-    def reset_peak_memory_stats(self) -> None: ...
-    def reset_accumulated_memory_stats(self) -> None: ...
-    def empty_cache(self) -> None: ...
+        """Waits for all work on every stream of the device (a device synchronize); the blocks that waited on
+        it become reusable."""
+    def free(self, ptr: DevicePtr) -> None:
+        """Frees ``ptr`` as ``ptr.free()`` does. A ``ptr`` of another pool, or one freed already, is a ValueError."""
+    def memory_stats(self) -> dict[str, int]:
+        """The statistics, keyed as ``torch.cuda.memory_stats`` keys them (such as ``allocated_bytes.all.current``);
+        gpupool adds counts of its driver calls (``num_driver_calls`` and one ``num_driver_<kind>`` per kind)."""
+    def memory_allocated(self) -> int:
+        """Bytes of the blocks now allocated (requests rounded up to block sizes), as
+        ``torch.cuda.memory_allocated``."""
+    def memory_reserved(self) -> int:
+        """Bytes the pool now holds from the device in segments, as ``torch.cuda.memory_reserved``."""
+    def max_memory_allocated(self) -> int:
+        """The peak of ``memory_allocated()`` in bytes, since the pool was made or its peaks were last reset."""
+    def max_memory_reserved(self) -> int:
+        """The peak of ``memory_reserved()`` in bytes, since the pool was made or its peaks were last reset."""
+    def reset_peak_memory_stats(self) -> None:
+        """Every statistic's peak becomes its current value, as ``torch.cuda.reset_peak_memory_stats``."""
+    def reset_accumulated_memory_stats(self) -> None:
+        """Every statistic's ``allocated`` and ``freed`` sums and the event counts restart from 0, as
+        ``torch.cuda.reset_accumulated_memory_stats``; current values and peaks stay."""
+    def empty_cache(self) -> None:
+        """Waits for pending frees, then returns every fully free cached segment to the device, as
+        ``torch.cuda.empty_cache``."""
     def snapshot(self) -> dict[str, Any]:
         """PyTorch's snapshot dict; ``device_traces`` holds the recorded history."""
     def record_history(self, enabled: bool = True, max_entries: int = 1_000_000) -> None:
@@ -162,14 +194,17 @@ class Stream:
     """A stream of one pool's device; simulated deterministically on host and sim."""
 
     @property
-    def id(self) -> int: ...
+    def id(self) -> int:
+        """The stream's number in its pool (0: the default stream)."""
     @property
     def handle(self) -> int | None:
         """The driver's ``cudaStream_t`` as an int (0: legacy default); None on simulated devices."""
     def hold(self) -> None:
         """Simulated devices: keeps the stream busy until synchronize()."""
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
+    def query(self) -> bool:
+        """Whether all work queued on the stream has finished."""
+    def synchronize(self) -> None:
+        """Waits for the stream's work; the blocks it freed or used become reusable."""
     def destroy(self) -> None:
         """Waits for the stream and destroys it (as dropping the last reference does); its live
         allocations pass to the pool's default stream, which orders their copies and frees. An
@@ -180,8 +215,11 @@ class Device:
 
     def __init__(self, kind: str = "host", capacity: int | str | None = None, mode: str = "direct") -> None:
         """``mode="async"`` on CUDA allocates through the driver's pool (``cuMemAllocAsync``)."""
-    def allocate(self, size: int) -> int: ...
-    def release(self, address: int) -> None: ...
+    def allocate(self, size: int) -> int:
+        """Allocates ``size`` bytes straight from the device and returns the address. Raises OutOfMemoryError naming
+        the bytes when the device refuses."""
+    def release(self, address: int) -> None:
+        """Returns the allocation at ``address`` to the device; an address it did not allocate is a ValueError."""
 
 class Trace:
     """An allocation trace, every free paired with its allocation."""
@@ -202,14 +240,18 @@ class Trace:
         ``empty_cache`` or ``oom_release`` events; ``final_reserved`` (the bytes the snapshot's
         segments hold) anchors the recorded reserved bytes."""
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """Where the trace came from (a file name, for loaded traces)."""
     def __len__(self) -> int: ...
     @property
-    def streams(self) -> list[int]: ...
+    def streams(self) -> list[int]:
+        """The traced program's stream handles, in order of first use."""
     @property
-    def peak_live_bytes(self) -> int: ...
+    def peak_live_bytes(self) -> int:
+        """The most bytes live at once, as requested."""
     @property
-    def allocations(self) -> int: ...
+    def allocations(self) -> int:
+        """How many allocations the trace makes (failed ones excluded)."""
     @property
     def capacity(self) -> int | None:
         """The most bytes the job could hold on its GPU, from its ``oom`` entries."""
@@ -222,24 +264,32 @@ class ReplayResult:
     """What one replay measured."""
 
     @property
-    def trace(self) -> str: ...
+    def trace(self) -> str:
+        """The name of the trace replayed."""
     @property
-    def config(self) -> str: ...
+    def config(self) -> str:
+        """The configuration string the pool used (empty for the default)."""
     @property
-    def device(self) -> str: ...
+    def device(self) -> str:
+        """The device the trace was replayed on, such as ``sim``."""
     @property
-    def capacity(self) -> int | None: ...
+    def capacity(self) -> int | None:
+        """The device capacity in bytes the replay was given; None if none was."""
     @property
-    def events(self) -> int: ...
+    def events(self) -> int:
+        """How many events the trace holds."""
     @property
-    def peak_live_bytes(self) -> int: ...
+    def peak_live_bytes(self) -> int:
+        """The most bytes the trace's allocations held at once, as requested (failed ones excluded)."""
     @property
-    def peak_reserved_bytes(self) -> int: ...
+    def peak_reserved_bytes(self) -> int:
+        """The most bytes the pool held from the device at once."""
     @property
     def utilization(self) -> float:
         """Peak live bytes / peak reserved bytes."""
     @property
-    def device_allocs(self) -> int: ...
+    def device_allocs(self) -> int:
+        """How many segments the pool obtained from the device."""
     @property
     def device_calls(self) -> int:
         """Driver calls that obtain or return memory, as the CUDA backend makes them."""
@@ -247,7 +297,8 @@ class ReplayResult:
     def driver_calls(self) -> dict[str, int]:
         """Those calls by kind: malloc, free, reserve, unreserve, create, map, set_access, unmap, release."""
     @property
-    def device_calls_per_1k_allocs(self) -> float: ...
+    def device_calls_per_1k_allocs(self) -> float:
+        """``device_calls`` per 1,000 allocations attempted."""
     @property
     def ooms(self) -> int:
         """Allocations that did not fit: skipped, their frees ignored."""
@@ -258,9 +309,11 @@ class ReplayResult:
     def releases(self) -> int:
         """The job's releases of cached memory the replay repeated."""
     @property
-    def seconds(self) -> float: ...
+    def seconds(self) -> float:
+        """Wall-clock seconds the replay took, not counting the min-capacity search."""
     @property
-    def events_per_second(self) -> float: ...
+    def events_per_second(self) -> float:
+        """Events replayed per wall-clock second."""
     @property
     def min_capacity_bytes(self) -> int | None:
         """The smallest sim capacity without an OOM (within 0.02%), if it was asked for and one
@@ -270,7 +323,8 @@ class ReplayResult:
         """Whether the bisection's answer failed its check (no OOM there, an OOM a tolerance
         below) and a search past it found ``min_capacity_bytes``."""
     @property
-    def min_capacity_utilization(self) -> float | None: ...
+    def min_capacity_utilization(self) -> float | None:
+        """The trace's peak live bytes over ``min_capacity_bytes``; None when that is None."""
     @property
     def timeline(self) -> tuple[list[int], list[int], list[int]]:
         """``(event_index, reserved_bytes, live_bytes)``; each point is the highest value until
