@@ -89,18 +89,22 @@ class View:
 
     @property
     def ptr(self) -> DevicePtr:
+        """The allocation viewed."""
         return self._ptr
 
     @property
     def typestr(self) -> str:
+        """The element type as an array-interface type string, such as ``<f4``."""
         return self._typestr
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The extents of each dimension; the elements lie C-contiguous."""
         return self._shape
 
     @property
     def nbytes(self) -> int:
+        """Bytes the view covers: its element count times the element size."""
         return math.prod(self.shape) * int(self.typestr[2:])
 
     @property

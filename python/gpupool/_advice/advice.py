@@ -199,6 +199,7 @@ class Advice:
 
     @property
     def as_run(self) -> CandidateResult:
+        """The result of replaying the PyTorch settings the job ran with."""
         return next(c for c in self.candidates if c.as_run)
 
     def as_dict(self) -> dict[str, Any]:
