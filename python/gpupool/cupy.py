@@ -24,6 +24,8 @@ def _out_of_memory_class() -> type:
     from cupy.cuda.memory import OutOfMemoryError
 
     class CupyOutOfMemoryError(OutOfMemoryError, gpupool.OutOfMemoryError):
+        """CuPy's OutOfMemoryError that is also gpupool's; ``report`` holds the pool's out-of-memory report."""
+
         def __init__(self, size: int, total: int, report: str) -> None:
             OutOfMemoryError.__init__(self, size, total)
             self.report = report

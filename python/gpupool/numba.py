@@ -47,6 +47,8 @@ def _shared_pages_handle_class() -> type:
     from numba.cuda.cudadrv.driver import IpcHandle
 
     class SharedPagesIpcHandle(IpcHandle):
+        """Numba's IpcHandle for pages exported as file descriptors (``shareable_handle:posix_fd``)."""
+
         def __init__(self, base: Any, export: tuple, owner: bool):
             pid, pages, offset, size, device, source = export
             super().__init__(base, None, size, source_info=source, offset=offset)
@@ -59,6 +61,8 @@ def _shared_pages_handle_class() -> type:
             return (_rebuild_shared_pages, (self.export,))
 
         def open(self, context: Any) -> MemoryPointer:
+            """Maps the exported pages in ``context`` and returns a MemoryPointer to the bytes; a context on
+            another GPU than the exporter's is a ValueError."""
             pid, pages, offset, size, _, source = self.export
             # Device numbers differ between processes (CUDA_VISIBLE_DEVICES); identities do not.
             if source != context.device.get_device_identity():
@@ -71,6 +75,7 @@ def _shared_pages_handle_class() -> type:
             return MemoryPointer(context, _device_pointer(address), size, finalizer=self._imported.close)
 
         def close(self) -> None:
+            """Unmaps the pages ``open`` mapped, if any."""
             if self._imported is not None:
                 self._imported.close()
                 self._imported = None
@@ -116,6 +121,7 @@ def _build() -> type:
         pool: Any = None
 
         def initialize(self) -> None:
+            """Opens the context's pool on the first call; later calls keep it and its cache."""
             # Numba calls this whenever it readies the context, often many times: the pool and
             # its cache stay (Numba's plugin contract: previous state must not be invalidated).
             if self.pool is None:
@@ -123,6 +129,8 @@ def _build() -> type:
                 self._legacy = self.pool.external_stream(CU_STREAM_LEGACY)
 
         def memalloc(self, size: int) -> MemoryPointer:
+            """``size`` bytes from the pool, freed (after the legacy stream's queued work) when Numba finalizes the
+            pointer. A request the device cannot serve raises ``gpupool.OutOfMemoryError``."""
             ptr = self.pool.alloc(size)
             # Keyed by a counter: every zero-byte allocation has address 0, and an id() can be
             # reused by a pointer allocated after a reset.
@@ -143,14 +151,16 @@ def _build() -> type:
             return MemoryPointer(self.context, _device_pointer(ptr.ptr), size, finalizer=finalize)
 
         def get_memory_info(self) -> Any:
-            # The driver's figures, as Numba's own memory manager reports them: memory this
-            # pool caches counts as used (it is, for every other allocator on the device).
+            """The device's free and total bytes as the driver counts them, as Numba's own manager reports
+            them: memory the pool caches counts as used (it is, for every other allocator on the device)."""
             from numba.cuda import MemoryInfo
 
             free, total = gpupool.cuda_mem_get_info(self.context.device.id)
             return MemoryInfo(free=free, total=total)
 
         def get_ipc_handle(self, memory: MemoryPointer) -> Any:
+            """An IpcHandle that opens ``memory`` in another process: its pages' descriptors with
+            ``shareable_handle:posix_fd``, else a CUDA IPC handle. Memory that has neither raises."""
             address = _address(memory)
             if self.pool.config["shareable_handle"] == "posix_fd":
                 # Pages made shareable travel as file descriptors, one per physical allocation.
@@ -169,6 +179,8 @@ def _build() -> type:
             return GetIpcHandleMixin.get_ipc_handle(self, memory)
 
         def reset(self) -> None:
+            """Resets what Numba's host-only manager holds, then returns the pool's cached segments to the device
+            and drops the pool; the next ``initialize`` opens a new one."""
             # Numba may reset before initializing. A reset of the device (numba.cuda.close())
             # resets its primary context next, under this pool: the pool goes, and the next
             # initialize opens a new one.
@@ -179,6 +191,7 @@ def _build() -> type:
 
         @property
         def interface_version(self) -> int:
+            """The version of Numba's External Memory Management interface implemented: 1."""
             return 1
 
     return GpupoolMemoryManager
