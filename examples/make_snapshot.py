@@ -6,7 +6,9 @@ layer's activations in the forward pass, gradients in the backward pass, the seq
 changing from one iteration to the next. Recording begins after a warm-up iteration, so blocks
 are live and segments cached before the first entry, as in a real snapshot. Halfway the job
 calls ``empty_cache()``; its last iteration, with a larger batch, dies of an out-of-memory error,
-and the snapshot is taken in the handler, as a job that dumps its snapshot on failure does.
+and the snapshot is taken in the handler, as a job that dumps its snapshot on failure does. The
+batch is one that PyTorch's defaults cannot fit on that GPU and, by advise's replays, other
+settings can.
 
 A simulated device takes no time, so each entry's ``time_us`` is a made-up clock (one entry
 every 25 us from 2026-01-01): the file is the same bytes on every run.
