@@ -20,8 +20,8 @@ test: install
 
 lint: install
 	$(PY) -m pip install -q ruff
-	$(PY) -m ruff check python tests benches
-	$(PY) -m ruff format --check python tests benches
+	$(PY) -m ruff check python tests benches examples
+	$(PY) -m ruff format --check python tests benches examples
 	cargo fmt --check
 	cargo clippy --all-targets --features cuda -- -D warnings
 	cargo clippy --lib --features python,cuda -- -D warnings
