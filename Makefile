@@ -1,8 +1,8 @@
-# One entry point for people and CI: make install | test | lint | bench.
+# One entry point for people and CI: make install | test | lint | bench | docs.
 PY ?= .venv/bin/python
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock build.rs) $(shell find rust -name "*.rs" -o -name "*.cpp" 2>/dev/null)
 
-.PHONY: install test lint bench fuzz
+.PHONY: install test lint bench fuzz docs
 
 install: .venv/.installed
 
@@ -34,3 +34,13 @@ bench: install
 # The misuse machine and the property suites with fresh seeds for MINUTES (60); SEED=n replays one round.
 fuzz: install
 	$(PY) tests/fuzz.py --minutes $(or $(MINUTES),60) $(if $(SEED),--seed $(SEED))
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a dead link fails the build.
+docs: .venv/.docs-installed
+	$(PY) -m mkdocs build --strict -d site
+
+# The docs extra, again only when pyproject.toml changes: an editable install rebuilds the extension.
+.venv/.docs-installed: pyproject.toml
+	[ -x .venv/bin/python ] || python3 -m venv .venv
+	$(PY) -m pip install -e '.[docs]'
+	touch $@

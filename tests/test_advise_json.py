@@ -1,6 +1,6 @@
 """``gpupool advise --json`` as programs read it: it validates against the schema shipped in the
 package, every ``config`` is a string its variable accepts (never a label), and
-docs/advise-json.md explains exactly the schema's fields."""
+docs/reference/advise-json.md explains exactly the schema's fields."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ MiB = 1 << 20
 # One with a history, one with only the final segments (and no recorded settings).
 WITH_HISTORY = "Wedsonlin__medium_128_inference_memory_snapshot.pickle"
 SEGMENTS_ONLY = "LLM-inference__1.3b_snapshot_08fa910.pickle"
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "advise-json.md"
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reference" / "advise-json.md"
 VARIABLES = {"pytorch": "PYTORCH_ALLOC_CONF", "gpupool": "GPUPOOL_ALLOC_CONF"}
 # gpupool's own keys: a PYTORCH_ALLOC_CONF value with one of them is gpupool's string, not PyTorch's.
 GPUPOOL_ONLY_KEYS = {
@@ -167,7 +167,7 @@ def test_the_schema_refuses_what_advise_never_prints(change, path, with_history,
 
 
 def _doc_fields() -> dict[str, set[str]]:
-    """The fields each table of docs/advise-json.md lists, by the heading above it."""
+    """The fields each table of docs/reference/advise-json.md lists, by the heading above it."""
     tables: dict[str, set[str]] = {}
     heading = ""
     for line in DOC.read_text(encoding="utf-8").splitlines():

@@ -1,0 +1,75 @@
+"""The documentation site: mkdocs builds it with --strict (a dead link or a missing anchor fails),
+and in a real headless browser (Chromium) the home page and the API reference load without
+console errors, with the API reference generated from the docstrings and the stub."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOOLS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package of a dotted name is missing
+        return False
+
+
+if not all(_installed(module) for module in TOOLS):
+    pytest.skip("the site's tools are not installed: pip install -e '.[docs]'", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("site")
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out), "-f", "mkdocs.yml"]
+    # Quiets mkdocs-material's banner about MkDocs 2.0, which would bury a real warning in the output.
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}{done.stderr}"
+    return out
+
+
+def browse(path: pathlib.Path) -> tuple[str, str]:
+    """The DOM after the page's scripts ran, and the browser's log (console messages included)."""
+    if BROWSER is None:
+        pytest.skip("no Chromium here; .ci/run installs the Debian package")
+    command = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"]
+    command += ["--virtual-time-budget=3000", "--dump-dom", path.as_uri()]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout, done.stderr
+
+
+def console_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if ":CONSOLE" in line]
+
+
+def test_the_site_builds_with_strict_checks(site):
+    assert (site / "index.html").is_file()
+    assert (site / "reference" / "api" / "index.html").is_file()
+
+
+def test_the_home_page_has_the_title_and_the_search_box(site):
+    dom, log = browse(site / "index.html")
+    assert console_lines(log) == []
+    assert "<title>gpupool</title>" in dom
+    assert 'data-md-component="search-query"' in dom
+
+
+def test_the_api_page_documents_the_package_and_the_stub(site):
+    dom, log = browse(site / "reference" / "api" / "index.html")
+    assert console_lines(log) == []
+    # gpupool.Pool from the package's .py, gpupool._native.Pool from the stub _native.pyi.
+    assert 'id="gpupool.Pool"' in dom
+    assert 'id="gpupool._native"' in dom and 'id="gpupool._native.Pool"' in dom
+    assert 'id="gpupool.trace"' in dom
