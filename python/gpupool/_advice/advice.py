@@ -25,7 +25,7 @@ def config_label(family: str, config: str) -> str:
 
 def schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of what ``gpupool advise --json`` prints: a list of
-    ``Advice.as_dict()`` objects. It is the authority on their fields; docs/advise-json.md
+    ``Advice.as_dict()`` objects. It is the authority on their fields; docs/reference/advise-json.md
     explains them."""
     text = resources.files("gpupool._advice").joinpath("advise.schema.json").read_text(encoding="utf-8")
     return json.loads(text)
