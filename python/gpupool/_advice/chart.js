@@ -67,7 +67,7 @@
       let drawn = 0;
       for (const line of visible()) {
         ctx.strokeStyle = line.color;
-        ctx.lineWidth = line.family === "recorded" ? 2.4 : line.name === "live" ? 1.5 : 1.2;
+        ctx.lineWidth = line.family === "recorded" ? 8 : line.name === "live" ? 1.5 : 1.2;
         ctx.setLineDash(line.name === "live" ? [5, 3] : []);
         ctx.beginPath();
         let started = false;

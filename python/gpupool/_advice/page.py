@@ -43,8 +43,9 @@ def _series(c: CandidateResult, scale: int, shown: bool) -> dict[str, Any]:
     }
 
 
-# The recorded run's curve is drawn in black, thicker than the replays' (chart.js).
-RECORDED = "#000000"
+# The recorded run's curve is a wide grey band under the replays' lines (chart.js draws it first
+# and wide), so that a replay that matches it shows as a line inside it.
+RECORDED = "rgba(0, 0, 0, 0.22)"
 
 
 def _chart_data(advice: Advice, units: _Units) -> dict[str, Any]:
