@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 
 import pytest
+from headless import browse
 from advice_snapshots import WITH_SEGMENT_EVENTS, shared_snapshot
 
 import gpupool
 from gpupool._advice import page
 
-BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 # Wheel-zooms into the middle of the first chart, then hovers over it, and writes down what the
 # page shows; run after the report's own script.
 INTERACT = """<script>
@@ -28,16 +27,6 @@ canvas.dispatchEvent(new MouseEvent("mousemove", at));
 document.body.dataset.zoomed = String(canvas.dataset.view !== before);
 document.body.dataset.tip = document.querySelector("#chart-0 .tip").textContent.split("\\n").length;
 </script>"""
-
-
-def browse(path) -> tuple[str, str]:
-    """The DOM after the page's scripts ran, and the browser's log (console messages included)."""
-    if BROWSER is None:
-        pytest.skip("no Chromium here; .ci/run installs the Debian package")
-    command = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"]
-    command += ["--virtual-time-budget=3000", "--dump-dom", path.as_uri()]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    return done.stdout, done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
+from headless import browse
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
-BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 
 
 def _installed(module: str) -> bool:
@@ -38,16 +37,6 @@ def site(tmp_path_factory) -> pathlib.Path:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}{done.stderr}"
     return out
-
-
-def browse(path: pathlib.Path) -> tuple[str, str]:
-    """The DOM after the page's scripts ran, and the browser's log (console messages included)."""
-    if BROWSER is None:
-        pytest.skip("no Chromium here; .ci/run installs the Debian package")
-    command = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"]
-    command += ["--virtual-time-budget=3000", "--dump-dom", path.as_uri()]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    return done.stdout, done.stderr
 
 
 def console_lines(log: str) -> list[str]:

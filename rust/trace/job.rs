@@ -44,6 +44,8 @@ pub struct JobRecord {
     /// Bytes reserved before the first entry, from the final reserved bytes with the
     /// history's segment entries undone (never below what the history itself releases).
     pub start_reserved: u64,
+    /// Bytes reserved after each entry.
+    pub reserved: Vec<u64>,
     /// The most bytes the job could have held on its GPU, from its `oom` entries.
     pub capacity: Option<u64>,
 }
@@ -121,7 +123,7 @@ pub fn read(entries: &[Entry<'_>], final_reserved: Option<u64>) -> JobRecord {
         };
         releases.push((first, why, burst.iter().map(|e| e.size).sum()));
     }
-    JobRecord { releases, start_reserved: start as u64, capacity }
+    JobRecord { releases, start_reserved: start as u64, reserved, capacity }
 }
 
 /// Whether a release `burst` with `before` bytes reserved was the out-of-memory path, from the
@@ -168,6 +170,7 @@ mod tests {
         let record = read(&entries, Some(20 * MIB));
         assert_eq!(record.releases, [(3, Release::OutOfMemory, 40 * MIB)]);
         assert_eq!(record.start_reserved, 0);
+        assert_eq!(record.reserved, [20, 20, 60, 20, 20].map(|mib| mib * MIB));
         assert_eq!(record.capacity, Some(25 * MIB), "20 MiB reserved at the oom plus 5 MiB free");
     }
 

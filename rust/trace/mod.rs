@@ -176,9 +176,8 @@ impl Trace {
         }
         builder.begin_history();
         let segments_recorded = entries.iter().any(|e| e.action.starts_with("segment_"));
-        let mut reserved = record.start_reserved;
         if segments_recorded {
-            builder.trace.recorded_reserved = vec![reserved; builder.trace.events.len()];
+            builder.trace.recorded_reserved = vec![record.start_reserved; builder.trace.events.len()];
         }
         let mut releases = record.releases.iter().peekable();
         for (index, e) in entries.iter().enumerate() {
@@ -186,20 +185,16 @@ impl Trace {
                 builder.release(why.into(), bytes, e.stream, e.time_ns);
                 if segments_recorded {
                     // The whole burst at once, as a replay releases it.
-                    builder.trace.recorded_reserved.push(reserved.saturating_sub(bytes));
+                    let before = index.checked_sub(1).map_or(record.start_reserved, |i| record.reserved[i]);
+                    builder.trace.recorded_reserved.push(before.saturating_sub(bytes));
                 }
             }
-            reserved = match e.action {
-                "segment_alloc" | "segment_map" => reserved.saturating_add(e.size),
-                "segment_free" | "segment_unmap" => reserved.saturating_sub(e.size),
-                _ => reserved,
-            };
             builder
                 .snapshot_entry(e.action, e.address, e.size, e.stream, e.time_ns)
                 .map_err(|error| (Some(index), error))?;
             if segments_recorded {
                 let missing = builder.trace.events.len() - builder.trace.recorded_reserved.len();
-                builder.trace.recorded_reserved.extend(std::iter::repeat_n(reserved, missing));
+                builder.trace.recorded_reserved.extend(std::iter::repeat_n(record.reserved[index], missing));
             }
         }
         builder.set_capacity(record.capacity);
