@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
-from headless import browse
 from advice_snapshots import WITH_SEGMENT_EVENTS, shared_snapshot
+from headless import browse
 
 import gpupool
 from gpupool._advice import page
