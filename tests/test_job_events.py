@@ -22,6 +22,13 @@ from gpupool import trace as gtrace
 FULLSTEP = "kkaitlyn111__memory_files_memory_ctx128_fullstep_.pickle"
 
 
+def _synthesized_empty_cache() -> synth.Synthesized:
+    source = synth.SOURCES[0]
+    if not (synth.ROOT / source).exists():
+        pytest.skip(f"{source} is absent (the shared snapshots live beside the repository)")
+    return synth.synthesized(source, "empty_cache")
+
+
 def _actions(trace: gtrace.Trace) -> dict[str, int]:
     counts: dict[str, int] = {}
     for e in trace:
@@ -48,12 +55,12 @@ def test_an_oom_entry_gives_the_gpu_and_its_burst_the_out_of_memory_path():
         entry("alloc", BASE + segment, 12 * MiB),
         entry("free_completed", BASE + segment, 12 * MiB),
         entry("segment_free", BASE + segment, segment),
-        {"action": "oom", "device_free": 15 * MiB, "size": 30 * MiB, "stream": 0, "time_us": 9},
+        {"action": "oom", "device_free": 25 * MiB, "size": 30 * MiB, "stream": 0, "time_us": 9},
     ]
     segments = [{"address": BASE, "total_size": segment, "stream": 0, "segment_type": "large", "blocks": []}]
     trace = gtrace.from_snapshot({"device_traces": [entries], "segments": segments})
     assert [e.action for e in trace] == ["alloc", "alloc", "free", "oom_release", "oom"]
-    assert trace.capacity == segment + 15 * MiB
+    assert trace.capacity == segment + 25 * MiB
     # On that GPU the request fails again; without the job's actions it is skipped.
     honoured = gpupool.replay(trace, "strategy:pytorch", capacity=trace.capacity)
     assert (honoured.ooms, honoured.ooms_as_recorded) == (1, 1)
@@ -71,7 +78,7 @@ def test_an_oom_entry_gives_the_gpu_and_its_burst_the_out_of_memory_path():
 
 
 def test_a_replay_repeats_empty_cache_unless_told_not_to():
-    made = synth.synthesized(synth.SOURCES[0], "empty_cache")
+    made = _synthesized_empty_cache()
     trace = gtrace.from_snapshot(made.snapshot)
     calls = _actions(trace).get("empty_cache", 0)
     assert calls == made.truth.empty_cache_releases >= 1
@@ -84,7 +91,7 @@ def test_a_replay_repeats_empty_cache_unless_told_not_to():
 
 
 def test_the_replay_command_takes_the_switch(capsys, tmp_path):
-    made = synth.synthesized(synth.SOURCES[0], "empty_cache")
+    made = _synthesized_empty_cache()
     path = tmp_path / "job.pickle"
     path.write_bytes(pickle.dumps(made.snapshot))
     for flag, expect in (([], made.truth.empty_cache_releases), (["--ignore-job"], 0)):

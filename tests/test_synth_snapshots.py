@@ -81,7 +81,8 @@ def test_each_run_starts_mid_run_with_the_settings_pytorch_records(source, shape
 
 def test_the_same_seed_gives_the_same_run():
     source = SOURCES[0]
-    assert synth.ground_truth(source, "empty_cache", seed=0) == made(source, "empty_cache", False).truth
+    first = made(source, "empty_cache", False).truth  # skips where the shared snapshots are absent
+    assert synth.ground_truth(source, "empty_cache", seed=0) == first
 
 
 def test_a_history_whose_memory_only_grows_cannot_retry():

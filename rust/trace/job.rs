@@ -13,7 +13,7 @@
 //!
 //! The GPU's size follows from `oom` entries: each records the device's free bytes when the
 //! request failed, after the path's release, so the job could hold at most what it had
-//! reserved then plus those bytes.
+//! reserved then plus those bytes; and at least what it held at its peak.
 
 /// One snapshot entry as the classification reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,12 +97,15 @@ pub fn read(entries: &[Entry<'_>], final_reserved: Option<u64>) -> JobRecord {
         reserved.push(now as u64);
     }
     let held_most = reserved.iter().copied().max().unwrap_or(0).max(start as u64);
+    // Never below what the job held at once: other processes' memory may have grown between
+    // the job's peak and its error, and a replay on less would fail where the job did not.
     let capacity = entries
         .iter()
         .zip(&reserved)
         .filter(|(e, _)| e.action == "oom")
         .map(|(e, &at)| at.saturating_add(e.address))
-        .min();
+        .min()
+        .map(|gpu| gpu.max(held_most));
     let mut releases = Vec::new();
     let mut index = 0;
     while index < entries.len() {
@@ -160,18 +163,22 @@ mod tests {
 
     #[test]
     fn a_burst_then_an_oom_is_the_out_of_memory_path_and_gives_the_gpu_size() {
-        let entries = [
-            entry("segment_alloc", 0x1000, 20 * MIB),
-            entry("alloc", 0x1000, 6 * MIB),
-            entry("segment_alloc", 0x9000, 40 * MIB),
-            entry("segment_free", 0x9000, 40 * MIB),
-            entry("oom", 5 * MIB, 30 * MIB),
-        ];
-        let record = read(&entries, Some(20 * MIB));
+        let entries = |device_free| {
+            [
+                entry("segment_alloc", 0x1000, 20 * MIB),
+                entry("alloc", 0x1000, 6 * MIB),
+                entry("segment_alloc", 0x9000, 40 * MIB),
+                entry("segment_free", 0x9000, 40 * MIB),
+                entry("oom", device_free, 50 * MIB),
+            ]
+        };
+        let record = read(&entries(45 * MIB), Some(20 * MIB));
         assert_eq!(record.releases, [(3, Release::OutOfMemory, 40 * MIB)]);
         assert_eq!(record.start_reserved, 0);
         assert_eq!(record.reserved, [20, 20, 60, 20, 20].map(|mib| mib * MIB));
-        assert_eq!(record.capacity, Some(25 * MIB), "20 MiB reserved at the oom plus 5 MiB free");
+        assert_eq!(record.capacity, Some(65 * MIB), "20 MiB reserved at the oom plus 45 MiB free");
+        // Less free than the job held before: something else took memory; the job had its peak.
+        assert_eq!(read(&entries(5 * MIB), Some(20 * MIB)).capacity, Some(60 * MIB));
     }
 
     /// After the burst a new segment serves a request that a released segment could have
