@@ -132,3 +132,20 @@ def test_rmm_csv_leaves_the_releases_out_and_warns(tmp_path):
     with pytest.warns(UserWarning, match="1 release of cached memory left out"):
         pool.dump_trace(path)
     assert [e.action for e in gtrace.load(path)] == ["alloc", "free", "alloc", "free"]
+
+
+@pytest.mark.parametrize("release", ["empty_cache", "watermark"])
+def test_a_released_segment_is_recorded_on_its_own_stream(release):
+    """PyTorch records a segment_free on the stream the segment was made for: the release bursts
+    that advise reads are told apart by it."""
+    config = "strategy:pytorch" + (",release_threshold:0" if release == "watermark" else "")
+    pool = gpupool.Pool("sim", capacity="1GiB", config=config)
+    pool.record_history()
+    side = pool.stream()
+    pool.alloc(30 * MiB, side).free()
+    side.synchronize()
+    pool.empty_cache()
+    entries = pool.snapshot()["device_traces"][0]
+    made = [e["stream"] for e in entries if e["action"] == "segment_alloc"]
+    freed = [e["stream"] for e in entries if e["action"] == "segment_free"]
+    assert made == freed == [side.id]

@@ -359,14 +359,9 @@ impl Heap {
         self.find_at_most(self.rules.kind(rounded), rounded, owner, self.rules.max_block_for(rounded))
     }
 
-    /// [`Heap::find`] without the cap `max_split_size` puts on the blocks a request may use:
+    /// [`Heap::find_in`] without the cap `max_split_size` puts on the blocks a request may use:
     /// the free blocks of expandable ranges are address space, mapped or not, and PyTorch maps a
     /// request's pages from its range's unmapped remainder whatever that remainder's size.
-    pub fn find_uncapped(&self, rounded: u64, owner: u32) -> Option<u32> {
-        self.find_uncapped_in(self.rules.kind(rounded), rounded, owner)
-    }
-
-    /// [`Heap::find_uncapped`] among the free blocks of pool `kind`.
     pub fn find_uncapped_in(&self, kind: PoolKind, rounded: u64, owner: u32) -> Option<u32> {
         self.find_at_most(kind, rounded, owner, u64::MAX)
     }
@@ -795,16 +790,16 @@ impl Heap {
     }
 
     /// Every segment that is all free (an expandable one also fully unmapped), with its address,
-    /// size and stream, in the order PyTorch releases them. The caller gives each back to the device, then removes it with
+    /// in the order PyTorch releases them. The caller gives each back to the device, then removes it with
     /// [`Heap::remove_segment`]: a refusal then leaves the heap and the device in agreement.
-    pub fn free_segments(&self) -> Vec<(SegmentId, u64, u64, u32)> {
+    pub fn free_segments(&self) -> Vec<(SegmentId, u64)> {
         let mut free: Vec<(SegmentId, &Segment)> = (0..self.segments.len())
             .filter_map(|sid| Some((sid as SegmentId, self.segments[sid].as_ref()?)))
             .filter(|(_, seg)| self.is_fully_free(seg) && !(seg.expandable && seg.mapped != 0))
             .collect();
         // PyTorch's order: the large pool, then the small one, each by (stream, size, address).
         free.sort_by_key(|(_, seg)| (seg.kind == PoolKind::Small, seg.stream, seg.size, seg.address));
-        free.into_iter().map(|(sid, seg)| (sid, seg.address, seg.size, seg.stream)).collect()
+        free.into_iter().map(|(sid, seg)| (sid, seg.address)).collect()
     }
 
     /// Whether every block of `seg` is free. Usually that is one block; free blocks of

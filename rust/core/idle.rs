@@ -67,6 +67,11 @@ impl Heap {
         let seg = self.segment(sid);
         (seg.address, seg.size)
     }
+
+    /// The stream segment `sid` was allocated for.
+    pub fn segment_stream(&self, sid: SegmentId) -> u32 {
+        self.segment(sid).stream
+    }
 }
 
 #[cfg(test)]

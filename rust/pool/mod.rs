@@ -674,7 +674,7 @@ impl<D: Device> Pool<D> {
         };
         self.note_page_calls(DEFAULT_STREAM);
         // The device goes first: a refusal leaves the segment cached and the heap in agreement.
-        for (sid, address, size, stream) in self.heap.free_segments() {
+        for (sid, address) in self.heap.free_segments() {
             if let Some(pages) = self.expandable.as_mut().filter(|p| p.is_range(address)) {
                 self.device.unreserve(address)?;
                 pages.forget(address);
@@ -682,12 +682,7 @@ impl<D: Device> Pool<D> {
                 self.heap.stats_mut().driver.unreserve += 1;
                 continue;
             }
-            self.device.release(address)?;
-            self.heap.remove_segment(sid);
-            self.heap.stats_mut().num_device_free += 1;
-            self.heap.stats_mut().driver.free += 1;
-            self.note(HistoryAction::SegmentFree, address, size, stream);
-            bytes += size;
+            bytes += self.release_segment(sid)?;
         }
         Ok(bytes)
     }

@@ -123,20 +123,26 @@ impl<D: Device> Pool<D> {
     }
 
     /// Returns idle segment `sid` to the device; returns its size, or 0 while the stream that
-    /// owns its free block still has work queued (the segment then stays cached). The device
-    /// goes first: if it refuses, the segment stays cached and the heap still agrees with it.
+    /// owns its free block still has work queued (the segment then stays cached).
     fn give_back(&mut self, sid: SegmentId) -> Result<u64, PoolError> {
         debug_assert!(self.heap.is_idle(sid), "segment {sid} is not idle");
         // A stream destroyed since was waited for first.
         if self.heap.owners(sid).into_iter().any(|owner| !self.device.query_stream(owner).unwrap_or(true)) {
             return Ok(0);
         }
+        self.release_segment(sid)
+    }
+
+    /// Gives plain segment `sid`, all free, back to the device; returns its size. The device
+    /// goes first: if it refuses, the segment stays cached and the heap still agrees with it.
+    pub(super) fn release_segment(&mut self, sid: SegmentId) -> Result<u64, PoolError> {
         let (address, size) = self.heap.segment_extent(sid);
+        let stream = self.heap.segment_stream(sid);
         self.device.release(address)?;
         self.heap.remove_segment(sid);
         self.heap.stats_mut().num_device_free += 1;
         self.heap.stats_mut().driver.free += 1;
-        self.note(HistoryAction::SegmentFree, address, size, DEFAULT_STREAM);
+        self.note(HistoryAction::SegmentFree, address, size, stream);
         Ok(size)
     }
 }
