@@ -108,6 +108,10 @@ fn mid_bin(size: u64) -> u64 {
     size.saturating_add(1u64.checked_shl(log2.saturating_sub(6)).unwrap_or(0))
 }
 
+/// A handle to unmap: its range's index, its pages, and its free stretch's place in PyTorch's
+/// release order (the large pool, then the small one, each by size and address).
+type Unmap = (usize, std::ops::Range<u64>, (bool, u64, u64));
+
 #[derive(Debug)]
 pub struct Expandable {
     paging: Paging,
@@ -388,9 +392,7 @@ impl Expandable {
         want: u64,
         keep: Option<(usize, std::ops::Range<u64>)>,
     ) -> Result<u64, DeviceError> {
-        // Each handle with its free stretch's place in PyTorch's release order: the large pool,
-        // then the small one, each by size and address.
-        let mut handles: Vec<(usize, std::ops::Range<u64>, (bool, u64, u64))> = Vec::new();
+        let mut handles: Vec<Unmap> = Vec::new();
         let mut idle: Vec<(u32, bool)> = Vec::new();
         for (index, range) in self.ranges.iter().enumerate() {
             let page_size = range.page_size;
