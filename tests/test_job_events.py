@@ -149,3 +149,17 @@ def test_a_released_segment_is_recorded_on_its_own_stream(release):
     made = [e["stream"] for e in entries if e["action"] == "segment_alloc"]
     freed = [e["stream"] for e in entries if e["action"] == "segment_free"]
     assert made == freed == [side.id]
+
+
+@pytest.mark.parametrize("state", [{}, ["active_allocated"], None, 7])
+def test_a_block_state_of_any_type_reads_as_not_live(state):
+    """A damaged snapshot may hold anything where a block's state goes, an unhashable value too:
+    the block is then not live, for the trace reader and for advise alike."""
+    live = {"address": BASE, "size": 2 * MiB, "requested_size": 2 * MiB, "state": "active_allocated"}
+    odd = {"address": BASE + 2 * MiB, "size": 2 * MiB, "requested_size": 2 * MiB, "state": state}
+    segment = {"address": BASE, "total_size": 4 * MiB, "stream": 0, "segment_type": "large", "blocks": [live, odd]}
+    snapshot = {"segments": [segment], "device_traces": [[]]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert gtrace.from_snapshot(snapshot).peak_live_bytes == 2 * MiB
+        assert gpupool.advise(snapshot).peak_live_bytes == 2 * MiB

@@ -237,7 +237,14 @@ def _device_segments(snapshot: Mapping[str, Any], name: str) -> list[tuple[int, 
 
 def _holds_live_block(segment: Mapping[str, Any]) -> bool:
     blocks = segment.get("blocks")
-    return isinstance(blocks, list) and any(isinstance(b, Mapping) and b.get("state") in LIVE_STATES for b in blocks)
+    return isinstance(blocks, list) and any(isinstance(b, Mapping) and _is_live(b) for b in blocks)
+
+
+def _is_live(block: Mapping[str, Any]) -> bool:
+    """Whether a block's ``state`` is one of PyTorch's live states; a damaged file may hold any
+    value there, an unhashable one too."""
+    state = block.get("state")
+    return isinstance(state, str) and state in LIVE_STATES
 
 
 Row = tuple[str, int, int, int, float]
@@ -354,7 +361,7 @@ def _live_before(
                 raise ValueError(f"{block_at}: expected a dict, got {reprlib.repr(block)}")
             address = _u64(block.get("address", follows), "address", block_at)
             follows = address + _u64(block.get("size"), "size", block_at)
-            if block.get("state") in LIVE_STATES and address not in seen:
+            if _is_live(block) and address not in seen:
                 size_key, size = _requested(block, address)
                 before.append((address, _u64(size, size_key, block_at), _u64(segment.get("stream", 0), "stream", at)))
     return before

@@ -131,14 +131,17 @@ pub fn read(entries: &[Entry<'_>], final_reserved: Option<u64>) -> JobRecord {
 
 /// Whether a release `burst` with `before` bytes reserved was the out-of-memory path, from the
 /// entries `after` it: an `oom` comes before the next allocation, or the next allocation
-/// needed a new segment that no released one could have been, and that segment beside
-/// `before` is more than the job ever held and than the GPU it had.
+/// needed new memory (a segment, or pages mapped in one or more runs) that no released segment
+/// could have spared it, and that memory beside `before` is more than the job ever held and
+/// than the GPU it had.
 fn device_was_full(burst: &[Entry<'_>], after: &[Entry<'_>], before: u64, held_most: u64, gpu: Option<u64>) -> bool {
     let mut grown = None;
     for e in after.iter().filter(|e| e.action != "free_requested" && e.action != "snapshot") {
         match e.action {
             "oom" => return true,
-            "segment_alloc" | "segment_map" if grown.is_none() => grown = Some(e.size),
+            // An expandable segment may map a request's pages in several runs.
+            "segment_alloc" if grown.is_none() => grown = Some(e.size),
+            "segment_map" => grown = Some(grown.unwrap_or(0) + e.size),
             "alloc" => {
                 let Some(segment) = grown else { return false };
                 let needed = before.saturating_add(segment);
@@ -230,6 +233,20 @@ mod tests {
         // Reserved at the oom: 20 MiB.
         assert_eq!(read(&entries(MIB), Some(20 * MIB)).releases[0].1, Release::OutOfMemory);
         assert_eq!(read(&entries(3 * MIB), Some(20 * MIB)).releases[0].1, Release::EmptyCache);
+    }
+
+    /// An expandable segment's retry maps its pages in two runs: together they did not fit.
+    #[test]
+    fn a_retry_mapped_in_several_runs_counts_them_all() {
+        let entries = [
+            entry("segment_map", 0x1000, 40 * MIB),
+            entry("segment_unmap", 0x1000, 20 * MIB),
+            entry("segment_map", 0x9000, 20 * MIB),
+            entry("segment_map", 0xb000, 20 * MIB),
+            entry("alloc", 0x9000, 30 * MIB),
+        ];
+        // Before the burst 40 MiB; the retry maps 40 more: 80 MiB, more than the job ever held.
+        assert_eq!(read(&entries, None).releases, [(1, Release::OutOfMemory, 20 * MIB)]);
     }
 
     #[test]

@@ -13,7 +13,7 @@ from operator import itemgetter
 from typing import Any
 
 from gpupool import trace as _trace
-from gpupool.trace import KNOWN_ACTIONS, LIVE_STATES
+from gpupool.trace import KNOWN_ACTIONS
 
 Row = tuple[str, int, int, int, float]
 
@@ -102,7 +102,7 @@ def _blocks(segment: Mapping[str, Any], where: str) -> list[Block]:
         frames = block.get("frames")
         if frames is None:
             frames = _trace._newest_allocation(block, address).get("frames")
-        live = block.get("state") in LIVE_STATES
+        live = _trace._is_live(block)
         requested = _trace._u64(requested, requested_key, at)
         blocks.append(Block(address, size, requested, live, _frames(frames), _trace._carries_history(block)))
         address += size
