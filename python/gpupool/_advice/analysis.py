@@ -33,8 +33,8 @@ def _replay_all(
     workers: int | None = None,
 ) -> list[tuple[Any, list[tuple[str, int]]]]:
     """Every candidate with its min-capacity search, on ``workers`` threads (one per core by
-    default): PyTorch's plain segments from the recorded start (the as-run one with its segment
-    decisions), the others from the blocks live at the start. Each repeats the job's
+    default): those that ``Candidate.seeded`` says from the recorded start (the as-run one with
+    its segment decisions), the others from the blocks live at the start. Each repeats the job's
     ``empty_cache()`` calls; the configuration that ran also repeats the out-of-memory path's
     releases, on the GPU the job had where its ``oom`` entries say, so that the recorded errors
     happen again where they happened. The others run their own out-of-memory paths."""
