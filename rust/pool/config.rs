@@ -33,6 +33,8 @@
 //! - These three keys (`shareable_handle` other than `none`, `peer_access` other than `[]`) with a
 //!   strategy of plain segments are an error: they would do nothing there.
 //! - `cross_stream_reuse`: `never`, `completed` (default) or `wait`.
+//! - `rules_off`: `[size_run,kept_holes]`: rules of the `default` strategy turned off, to
+//!   measure what each buys ([`policy::RULES`] names them).
 //! - PyTorch's keys for its pinned host memory, CUDA graphs, address-space reserve and
 //!   `throw_on_cudamalloc_oom` are validated and accepted without effect on device memory
 //!   ([`Config::inert`] lists those given).
@@ -41,6 +43,7 @@ mod parse;
 
 pub use parse::NO_DEVICE_MEMORY_EFFECT;
 
+use super::policy::{self, OomStep, Paging};
 use crate::core::{PoolKind, Rules, POWER2_INTERVALS};
 use crate::device::MappingOptions;
 use std::fmt;
@@ -134,45 +137,6 @@ impl Strategy {
     }
 }
 
-/// How a paged strategy maps physical memory into its address ranges.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Paging {
-    /// The mapping unit of each pool kind's range, indexed by [`PoolKind::index`].
-    pub page: [u64; 2],
-    pub mode: PagingMode,
-}
-
-impl Paging {
-    pub fn page_of(&self, kind: PoolKind) -> u64 {
-        self.page[kind.index()]
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PagingMode {
-    /// PyTorch's expandable segments: exactly the handles a block needs are mapped, and a
-    /// block goes where the rules put it, whatever it costs in new handles.
-    Handles,
-    /// The idealized pager of issue 5 (`pages`), kept as a reference: 2 MiB pages, each its own
-    /// physical allocation (handle); a map call reaches ahead into free space (20 MiB large,
-    /// 2 MiB small) so a growing job makes few map calls; when the device refuses, free pages are
-    /// unmapped, and a block that still does not fit by best fit goes where it needs the fewest
-    /// new pages.
-    Pages,
-    /// gpupool's pager (`default`): `Pages`' mapping, with two changes. A map call is backed by
-    /// handles that shrink with the room left on the device: up to 1/512 of it while nine tenths
-    /// stay free, then 1/4096 of what stays free, and one per page near the limit, so that
-    /// pressure can give back exactly the free pages (a handle goes back whole or not at all,
-    /// and each costs driver calls: `cuMemCreate`, `cuMemMap`, `cuMemRelease`, one `cuMemUnmap`).
-    /// And when the device refuses a map, free pages elsewhere that no queued work uses go back
-    /// and the block keeps its place; if there are none, once the streams were waited for and
-    /// free pages unmapped, a block goes where it needs the fewest new pages first. With the
-    /// default's rules the small range holds only tiny blocks, and a tiny request takes a free
-    /// piece of the large range on mapped pages, if one holds it, before the small range maps a
-    /// page.
-    Pager,
-}
-
 /// Where segments come from (PyTorch's `backend`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Backend {
@@ -198,8 +162,12 @@ pub struct Config {
     pub rules: Rules,
     pub cross_stream_reuse: CrossStreamReuse,
     /// Paged strategies: each pool kind is one reserved address range whose pages are mapped on
-    /// demand (rust/pool/expandable.rs); `None` uses plain segments.
+    /// demand (rust/pool/expandable.rs), by this policy; `None` uses plain segments.
     pub paging: Option<Paging>,
+    /// What the pool tries, in order, when the device refuses a request.
+    pub oom_ladder: &'static [OomStep],
+    /// The default's rules turned off by `rules_off` (names from [`policy::RULES`]).
+    pub rules_off: Vec<&'static str>,
     pub backend: Backend,
     /// The release watermark: a share of reserved bytes that free-but-reserved bytes may reach.
     pub release_threshold: Option<f64>,
@@ -242,6 +210,8 @@ pub enum Setting {
     List(Vec<u64>),
     /// `roundup_power2_divisions`: each interval's start in MiB with its divisions.
     Divisions(Vec<(u64, u64)>),
+    /// Names (`rules_off`).
+    Names(Vec<&'static str>),
 }
 
 impl Config {
@@ -304,6 +274,7 @@ impl Config {
             ("cross_stream_reuse", Setting::Text(self.cross_stream_reuse.name())),
             ("shareable_handle", Setting::Text(if self.mapping.shareable { "posix_fd" } else { "none" })),
             ("peer_access", Setting::List(self.mapping.peers.iter().map(|&d| d as u64).collect())),
+            ("rules_off", Setting::Names(self.rules_off.clone())),
         ]
     }
 }
@@ -320,6 +291,7 @@ impl fmt::Display for Setting {
                 let items: Vec<String> = items.iter().map(u64::to_string).collect();
                 write!(f, "[{}]", items.join(","))
             }
+            Setting::Names(names) => write!(f, "[{}]", names.join(",")),
             Setting::Divisions(pairs) => {
                 let items: Vec<String> = pairs.iter().map(|(mb, d)| format!("{mb}:{d}")).collect();
                 write!(f, "[{}]", items.join(","))

@@ -116,12 +116,14 @@ impl Deferred {
     }
 
     /// Records a fence on every stream (but `except`) that freed blocks since its last fence.
+    /// Returns whether a destroyed stream's blocks were shared instead.
     pub fn fence_streams<D: Device>(
         &mut self,
         device: &mut D,
         heap: &mut Heap,
         except: Option<StreamId>,
-    ) -> Result<(), DeviceError> {
+    ) -> Result<bool, DeviceError> {
+        let mut retired = false;
         let streams: Vec<StreamId> = heap.unfenced_streams().filter(|&s| Some(s) != except).collect();
         for stream in streams {
             // An event recorded in a capture would be a graph node, never completed here.
@@ -134,19 +136,23 @@ impl Deferred {
                     self.fences.entry(stream).or_default().push_back((event, epoch));
                     self.outstanding += 1;
                 }
-                Err(DeviceError::InvalidStream(_)) => heap.retire_stream(stream),
+                Err(DeviceError::InvalidStream(_)) => {
+                    heap.retire_stream(stream);
+                    retired = true;
+                }
                 Err(e) => return Err(e),
             }
         }
-        Ok(())
+        Ok(retired)
     }
 
     /// Completes whatever finished: pending blocks become free, fenced blocks shared. With
-    /// `wait`, blocks until everything outstanding has finished.
-    pub fn poll<D: Device>(&mut self, device: &mut D, heap: &mut Heap, wait: bool) -> Result<(), DeviceError> {
+    /// `wait`, blocks until everything outstanding has finished. Returns whether anything did.
+    pub fn poll<D: Device>(&mut self, device: &mut D, heap: &mut Heap, wait: bool) -> Result<bool, DeviceError> {
         if self.outstanding == 0 {
-            return Ok(());
+            return Ok(false);
         }
+        let before = self.outstanding;
         for queue in self.pending.values_mut() {
             while let Some(&(event, block)) = queue.front() {
                 if !Self::finished(device, event, wait)? {
@@ -172,7 +178,7 @@ impl Deferred {
                 heap.promote(stream, epoch);
             }
         }
-        Ok(())
+        Ok(self.outstanding != before)
     }
 
     /// Whether `event` has completed (waiting for it if asked); completed events are destroyed.

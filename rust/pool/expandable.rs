@@ -8,24 +8,17 @@
 //! Physical use is then the pages that live blocks touch, not the address space that
 //! fragmentation spreads them over.
 //!
-//! Three [`PagingMode`]s: PyTorch's (`strategy:expandable`: 20 MiB handles in the large range,
-//! 2 MiB in the small one, exactly those a block needs), the idealized pager (`pages`: 2 MiB
-//! pages, a map call reaching ahead, placement by fewest new pages under pressure) and gpupool's
-//! pager (`default`): the same, but a map call's handles shrink with the room left on the device
-//! (up to 1/512 of it while nine tenths stay free, then 1/4096 of what stays free, down to a
-//! page), so that a growing job makes few driver calls and a job near the device's limit can
-//! still give back any free page. Its small range holds tiny blocks (at most an eighth of a
-//! page), and one of those goes to a free piece of the large range, on pages live neighbours
-//! keep mapped, before its own range maps a page; near the device's limit it also holds the
-//! blocks of at most a page that continue a long run of same-size allocations (`size_run.rs`),
-//! and the blocks of at most half a page whose best fit is a hole kept for a recent large
-//! request of exactly its size (`recent_sizes.rs`).
-//! When the device refuses a map, it gives back free pages elsewhere that no queued work uses
-//! and maps again, so the block keeps its best-fit place and no stream is waited for; only if
-//! none are free does the out-of-memory path run.
+//! How a range maps, and what a refused map does, is the strategy's [`Paging`] policy
+//! (`policy.rs`): PyTorch's handles (`strategy:expandable`: 20 MiB in the large range, 2 MiB in
+//! the small one, exactly those a block needs), the reference pager (`pages`: 2 MiB pages, each
+//! its own handle, a map call reaching ahead) and gpupool's pager (`default`): the same, with
+//! handles that shrink with the room left on the device, and a refused map that gives back free
+//! pages elsewhere that no queued work uses and maps again, so the block keeps its place and no
+//! stream is waited for; only if none are free does the out-of-memory path run. Where a block
+//! goes is not decided here but in `placement.rs`.
 
 use super::page_map::PageMap;
-use super::{Paging, PagingMode};
+use super::policy::{Handles, Paging};
 use crate::core::{BlockInfo, BlockState, Heap, Metric, PoolKind, SegmentId, SegmentInfo, StatType, SHARED};
 use crate::device::{Device, DeviceError};
 
@@ -36,9 +29,6 @@ pub enum Backing {
     Ready,
     /// The device mapped what was missing.
     Mapped,
-    /// Nothing: the request goes to this free piece of a large range instead, whose pages are
-    /// mapped (gpupool's pager, for a small request that would map a page of the small range).
-    Piece(u32),
 }
 
 /// One reserved range and its page map.
@@ -73,27 +63,32 @@ impl Range {
     }
 }
 
-/// How far one map call of gpupool's pager reaches when an allocation grows into unmapped space:
-/// PyTorch's segment sizes (20 MiB large, 2 MiB small), so a growing job makes as few calls.
-const MAP_AHEAD: u64 = 20 << 20;
-const SMALL_MAP_AHEAD: u64 = 2 << 20;
+/// [`Handles::ByHeadroom`]'s thresholds.
+struct Headroom {
+    share: f64,
+    roomy_divisor: u64,
+    tight_divisor: u64,
+}
 
-/// [`PagingMode::Pager`]: a map call is backed by big handles while at least this share of what
-/// the pool may hold (the device's capacity, or its limit) stays free after it. Closer to the
-/// limit a big handle could not go back in part when the device runs short, so handles shrink
-/// (BENCHMARKS.md, "Handles by headroom": a lower share made the smallest device that runs a
-/// trace bigger).
-const ROOMY_SHARE: f64 = 0.9;
-
-/// While the device has room, one handle holds at most this fraction of what the pool may hold:
-/// a handle that a block later keeps partly used cannot go back, and one 256 MiB tensor mapped
-/// as one handle on a 3 GiB device would strand most of itself (BENCHMARKS.md, "Handle size").
-const ROOMY_HANDLE_DIVISOR: u64 = 512;
-
-/// Past that, one handle holds at most this fraction of what stays free after the map, and at
-/// least a page: near the limit every page is its own handle, as the smallest device a job runs
-/// on needs, while on a device several times the job's size a map still takes few driver calls.
-const TIGHT_HANDLE_DIVISOR: u64 = 4096;
+impl Headroom {
+    /// The handle size for a map of `bytes` that leaves `reserved` bytes mapped: while at least
+    /// `share` of what the pool may hold (the device's capacity, or its limit if lower) stays
+    /// free, `1 / roomy_divisor` of that; past it, `1 / tight_divisor` of what stays free. Whole
+    /// pages, at least one, at most the map. A device of unknown capacity under no limit always
+    /// has room, and a map there is one handle.
+    fn handle_size<D: Device>(&self, device: &D, reserved: u64, limit: Option<u64>, bytes: u64, page: u64) -> u64 {
+        let info = device.memory_info();
+        let Some(capacity) = info.total.into_iter().chain(limit).min() else { return bytes };
+        let device_free = info.total.map_or(u64::MAX, |total| total.saturating_sub(info.held));
+        let free = device_free.min(capacity.saturating_sub(reserved));
+        let most = if free as f64 >= self.share * capacity as f64 {
+            capacity / self.roomy_divisor
+        } else {
+            free / self.tight_divisor
+        };
+        (most / page).clamp(1, (bytes / page).max(1)) * page
+    }
+}
 
 /// The largest range reserved (1 PiB, far beyond any device): its page map is at most 64 MiB of
 /// address space, and only the words of mapped pages are ever written.
@@ -126,18 +121,6 @@ impl Expandable {
         Expandable { paging, ranges: Vec::new(), calls: None }
     }
 
-    /// Whether, under pressure, blocks may go where they need the fewest new pages (the
-    /// pagers; PyTorch places them by its rules alone).
-    pub fn places_by_pages(&self) -> bool {
-        self.paging.mode != PagingMode::Handles
-    }
-
-    /// Whether, once the device refused and free pages were unmapped, a block goes where it
-    /// needs the fewest new pages before a best fit is tried (gpupool's pager).
-    pub fn places_least_mapping_first(&self) -> bool {
-        self.paging.mode == PagingMode::Pager
-    }
-
     pub fn log_calls(&mut self, on: bool) {
         self.calls = on.then(Vec::new);
     }
@@ -152,7 +135,8 @@ impl Expandable {
 
     /// Reserves a new range for `kind`, big enough for `rounded` bytes and for the device's
     /// capacity many times over (address space is cheap; running out of it would fragment).
-    pub fn grow<D: Device>(
+    /// Maps nothing.
+    pub fn reserve_range<D: Device>(
         &mut self,
         device: &mut D,
         heap: &mut Heap,
@@ -162,23 +146,19 @@ impl Expandable {
     ) -> Result<SegmentId, DeviceError> {
         // The page map costs a bit per page of the range: a request no device could hold must
         // not size one.
-        if rounded > MAX_RANGE - MAP_AHEAD {
+        let map_ahead = self.paging.map_ahead_of(kind);
+        if rounded > MAX_RANGE - map_ahead {
             return Err(DeviceError::OutOfMemory { requested: rounded });
         }
         let capacity = device.memory_info().total.unwrap_or(1 << 40);
         // Twice the capacity, at most 1 TiB unless one request needs more.
         let page_size = self.paging.page_of(kind);
-        let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded + MAP_AHEAD);
+        let wanted = capacity.saturating_mul(2).min(1 << 40).max(rounded + map_ahead);
         let size = mid_bin(wanted).div_ceil(page_size) * page_size;
         let base = device.reserve(size)?;
         heap.stats_mut().driver.reserve += 1;
         let segment = heap.add_expandable_segment(base, size, kind, stream);
         let pages = size / page_size;
-        let map_ahead = match self.paging.mode {
-            PagingMode::Handles => page_size,
-            PagingMode::Pages | PagingMode::Pager if kind == PoolKind::Small => SMALL_MAP_AHEAD.max(page_size),
-            PagingMode::Pages | PagingMode::Pager => MAP_AHEAD.max(page_size),
-        };
         let page_shift = page_size.is_power_of_two().then(|| page_size.trailing_zeros());
         self.ranges.push(Range { segment, base, kind, map_ahead, page_size, page_shift, pages: PageMap::new(pages) });
         Ok(segment)
@@ -195,9 +175,7 @@ impl Expandable {
     /// Maps whatever pages of `[address, address + len)` in `segment` are not mapped yet. When
     /// the last page needs mapping, the call maps ahead up to the range's `map_ahead` into the free
     /// space that follows (up to `free_end`), so growing allocations cost few map calls; if the
-    /// device refuses that much, exactly what is needed is mapped. gpupool's pager maps no page
-    /// of a small range while a free piece of a large one on mapped pages holds the request
-    /// (see [`Expandable::mapped_piece`]).
+    /// device refuses that much, exactly what is needed is mapped.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub fn ensure_mapped<D: Device>(
@@ -208,7 +186,6 @@ impl Expandable {
         address: u64,
         len: u64,
         free_end: u64,
-        stream: u32,
         limit: Option<u64>,
     ) -> Result<Backing, DeviceError> {
         let Some(index) = self.ranges.iter().position(|r| r.segment == segment) else { return Ok(Backing::Ready) };
@@ -218,14 +195,12 @@ impl Expandable {
         if range.pages.all_mapped(pages.clone()) {
             return Ok(Backing::Ready);
         }
-        self.map_missing(device, heap, index, pages, len, free_end, stream, limit)
+        self.map_missing(device, heap, index, pages, free_end, limit)
     }
 
-    /// [`Expandable::ensure_mapped`]'s slow path: for a small request of gpupool's pager, a
-    /// piece of a large range on mapped pages; else maps the unmapped runs of `pages` in range
-    /// `index`, mapping ahead after the last one. When the device refuses, gpupool's pager first
-    /// gives back free pages elsewhere and maps again.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Expandable::ensure_mapped`]'s slow path: maps the unmapped runs of `pages` in range
+    /// `index`, mapping ahead after the last one. When the device refuses, and the policy says
+    /// so, first gives back free pages elsewhere and maps again.
     #[cold]
     fn map_missing<D: Device>(
         &mut self,
@@ -233,23 +208,11 @@ impl Expandable {
         heap: &mut Heap,
         index: usize,
         pages: std::ops::Range<u64>,
-        len: u64,
         free_end: u64,
-        stream: u32,
         limit: Option<u64>,
     ) -> Result<Backing, DeviceError> {
-        // Only the small range's own blocks: one a run sent there (size_run.rs) must not go back
-        // to the large range's pieces.
-        if self.paging.mode == PagingMode::Pager
-            && self.ranges[index].kind == PoolKind::Small
-            && len <= heap.rules().small_max
-        {
-            if let Some(piece) = self.mapped_piece(heap, len, stream) {
-                return Ok(Backing::Piece(piece));
-            }
-        }
         let refused = match self.map_pages(device, heap, index, pages.clone(), free_end, limit) {
-            Err(DeviceError::OutOfMemory { requested }) if self.paging.mode == PagingMode::Pager => requested,
+            Err(DeviceError::OutOfMemory { requested }) if self.paging.give_back_on_refusal => requested,
             other => return other.map(|()| Backing::Mapped),
         };
         // The device is full. Free pages elsewhere that no queued work uses go back, as many as
@@ -280,7 +243,7 @@ impl Expandable {
         free_end: u64,
         limit: Option<u64>,
     ) -> Result<(), DeviceError> {
-        let big_handles = self.paging.mode == PagingMode::Pager;
+        let handles = self.paging.handles;
         let range = &mut self.ranges[index];
         let page_size = range.page_size;
         let (first, end) = (pages.start, pages.end);
@@ -293,9 +256,9 @@ impl Expandable {
                 Some(more) if more.start == run.end => run.start..more.end,
                 _ => run.clone(),
             };
-            let done = match Self::map_run(device, heap, range, extended.clone(), limit, big_handles) {
+            let done = match Self::map_run(device, heap, range, extended.clone(), limit, handles) {
                 Err(DeviceError::OutOfMemory { .. }) if extended != run => {
-                    Self::map_run(device, heap, range, run.clone(), limit, big_handles).map(|_| run)?
+                    Self::map_run(device, heap, range, run.clone(), limit, handles).map(|_| run)?
                 }
                 other => other.map(|_| extended)?,
             };
@@ -311,7 +274,7 @@ impl Expandable {
     /// `rounded` bytes for `stream`: the best fit among the stream's own free blocks, else
     /// among shared ones, if it is such a piece. Pieces like that lie between live blocks, on
     /// the pages they share, and a small block placed there costs no page.
-    fn mapped_piece(&self, heap: &Heap, rounded: u64, stream: u32) -> Option<u32> {
+    pub fn mapped_piece(&self, heap: &Heap, rounded: u64, stream: u32) -> Option<u32> {
         [stream, SHARED].into_iter().find_map(|owner| {
             let id = heap.find_in(PoolKind::Large, rounded, owner)?;
             let b = heap.block_at(id);
@@ -321,15 +284,14 @@ impl Expandable {
         })
     }
 
-    /// Maps unmapped `run` of `range` in one device call, backed by one handle per page, or by
-    /// handles as big as [`Expandable::handle_size`] allows when `big_handles` (gpupool's pager).
+    /// Maps unmapped `run` of `range` in one device call, backed by handles as `handles` says.
     fn map_run<D: Device>(
         device: &mut D,
         heap: &mut Heap,
         range: &mut Range,
         run: std::ops::Range<u64>,
         limit: Option<u64>,
-        big_handles: bool,
+        handles: Handles,
     ) -> Result<(), DeviceError> {
         let (address, bytes) = range.extent(&run);
         // The pool's own limit (a memory fraction) refuses like the device would.
@@ -337,10 +299,12 @@ impl Expandable {
         if limit.is_some_and(|limit| reserved + bytes > limit) {
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
-        let handle = if big_handles {
-            Self::handle_size(device, reserved + bytes, limit, bytes, range.page_size)
-        } else {
-            range.page_size
+        let handle = match handles {
+            Handles::PerPage => range.page_size,
+            Handles::ByHeadroom { roomy_share, roomy_divisor, tight_divisor } => {
+                let room = Headroom { share: roomy_share, roomy_divisor, tight_divisor };
+                room.handle_size(device, reserved + bytes, limit, bytes, range.page_size)
+            }
         };
         device.map(address, bytes, handle)?;
         heap.stats_mut().driver.mapped_run(bytes.div_ceil(handle));
@@ -349,24 +313,6 @@ impl Expandable {
         heap.note_mapped(range.segment, bytes, true, runs);
         heap.stats_mut().num_device_map += 1;
         Ok(())
-    }
-
-    /// The handle size for a map of `bytes` that leaves `reserved` bytes mapped: while at least
-    /// [`ROOMY_SHARE`] of what the pool may hold (the device's capacity, or its limit if lower)
-    /// stays free, [`ROOMY_HANDLE_DIVISOR`] of that; past it, [`TIGHT_HANDLE_DIVISOR`] of what
-    /// stays free. Whole pages, at least one, at most the map. A device of unknown capacity under
-    /// no limit always has room, and a map there is one handle.
-    fn handle_size<D: Device>(device: &D, reserved: u64, limit: Option<u64>, bytes: u64, page: u64) -> u64 {
-        let info = device.memory_info();
-        let Some(capacity) = info.total.into_iter().chain(limit).min() else { return bytes };
-        let device_free = info.total.map_or(u64::MAX, |total| total.saturating_sub(info.held));
-        let free = device_free.min(capacity.saturating_sub(reserved));
-        let most = if free as f64 >= ROOMY_SHARE * capacity as f64 {
-            capacity / ROOMY_HANDLE_DIVISOR
-        } else {
-            free / TIGHT_HANDLE_DIVISOR
-        };
-        (most / page).clamp(1, (bytes / page).max(1)) * page
     }
 
     /// Unmaps every handle that lies wholly inside free space; returns the bytes freed.
@@ -619,7 +565,7 @@ impl Expandable {
         match self.ranges.iter().find(|r| r.kind == kind) {
             Some(range) if range.pages.len() * range.page_size >= extent => Ok(range.segment),
             Some(_) => Err(DeviceError::Unsupported("seeding pages beyond a range reserved before")),
-            None => self.grow(device, heap, kind, stream, extent),
+            None => self.reserve_range(device, heap, kind, stream, extent),
         }
     }
 

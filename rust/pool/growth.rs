@@ -126,16 +126,17 @@ impl<D: Device> Pool<D> {
         let Some(page) = self.config.paging.map(|paging| paging.page_of(PoolKind::Large)) else { return };
         let size = self.config.initial_pool_size.min(self.available()) / page * page;
         let Some(pages) = self.expandable.as_mut().filter(|_| size > 0) else { return };
-        let Ok(segment) = pages.grow(&mut self.device, &mut self.heap, PoolKind::Large, DEFAULT_STREAM, size) else {
+        let Ok(segment) = pages.reserve_range(&mut self.device, &mut self.heap, PoolKind::Large, DEFAULT_STREAM, size)
+        else {
             return;
         };
         // Exactly those pages: no map-ahead past them.
         let (base, limit) = (self.heap.block_at(self.heap.segment_head(segment)).address, self.growth.limit);
         let end = base + size;
         let (device, heap) = (&mut self.device, &mut self.heap);
-        if pages.ensure_mapped(device, heap, segment, base, size, end, DEFAULT_STREAM, limit).is_err() {
+        if pages.ensure_mapped(device, heap, segment, base, size, end, limit).is_err() {
             heap.stats_mut().num_alloc_retries += 1;
-            let _ = pages.ensure_mapped(device, heap, segment, base, size, end, DEFAULT_STREAM, limit);
+            let _ = pages.ensure_mapped(device, heap, segment, base, size, end, limit);
         }
     }
 }

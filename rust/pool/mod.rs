@@ -1,5 +1,21 @@
 //! The pool: a heap of cached segments over a device, growing on demand and shrinking on
 //! `empty_cache` or under memory pressure.
+//!
+//! One allocation that misses the cache, under the default strategy, calls each of these once:
+//! - [`Pool::alloc_on`] validates the size and asks [`Pool::place`] (`placement.rs`) where the
+//!   request goes: the pool kind, the best-fitting free block, or new memory. The one search.
+//! - The block's pages are not all mapped, so [`Pool::alloc_slow`] takes over. With no frees
+//!   completing and no other stream's blocks to wait for, it keeps that placement and
+//!   [`Pool::take`] allocates it:
+//! - [`Pool::take_block`] maps the missing pages (`Expandable::ensure_mapped`, which maps ahead
+//!   and, if the device refuses, gives back free pages elsewhere and maps again) and splits the
+//!   block (`Heap::take_block`);
+//! - or, for new memory, [`Pool::alloc_new`] reserves a range (paged) or a segment (plain).
+//!
+//! Only when the device refuses for good does the strategy's out-of-memory ladder run
+//! ([`OomStep`]s: give back oversize segments, wait for every stream and give back all cached
+//! memory, place again, place where the fewest new pages are needed), each step placing the
+//! request anew through the same [`Pool::place`].
 
 mod capture;
 mod config;
@@ -9,9 +25,11 @@ mod expandable;
 mod growth;
 mod held;
 mod history;
-#[cfg(test)]
-mod kept_holes_tests;
 mod page_map;
+mod placement;
+#[cfg(test)]
+mod placement_tests;
+pub mod policy;
 mod recent_sizes;
 mod release;
 mod seed;
@@ -19,20 +37,21 @@ mod size_run;
 mod streams;
 
 pub use config::{
-    parse_size, Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Setting, Strategy, ENV_VAR,
-    NO_DEVICE_MEMORY_EFFECT,
+    parse_size, Backend, Config, ConfigError, CrossStreamReuse, Setting, Strategy, ENV_VAR, NO_DEVICE_MEMORY_EFFECT,
 };
 pub use error::{format_bytes, OomReport, PoolError, Refused};
 pub use held::HeldBlock;
 pub use history::{History, HistoryAction, HistoryEntry};
+pub use policy::{OomStep, Paging};
 
 use crate::core::{
-    BlockState, Handle, Heap, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats, NIL, SHARED,
+    BlockState, Handle, Heap, Metric, PoolKind, Released, Rules, SegmentId, SegmentInfo, StatType, Stats,
 };
 use crate::device::{Device, DeviceError, EventId, StreamId};
 use deferred::Deferred;
 use expandable::{Backing, Expandable};
 use growth::Growth;
+use placement::{Placement, Search};
 use recent_sizes::RecentSizes;
 use size_run::SizeRun;
 
@@ -66,11 +85,11 @@ pub struct Pool<D: Device> {
     held_for_capture: Vec<HeldBlock>,
     /// Whether the device's streams can be captured: only then must the hot path ask.
     captures_graphs: bool,
-    /// The run of same-size allocations so far (gpupool's pager sends long runs' blocks of at
-    /// most a page to its small range).
-    run: SizeRun,
-    /// The last large sizes asked for (gpupool's pager keeps holes of those sizes whole).
-    recent: RecentSizes,
+    /// The run of same-size allocations so far, when the policy sends long runs' blocks of at
+    /// most a page to the small range.
+    run: Option<SizeRun>,
+    /// The last large sizes asked for, when the policy keeps holes of those sizes whole.
+    recent: Option<RecentSizes>,
 }
 
 impl<D: Device> Pool<D> {
@@ -80,20 +99,21 @@ impl<D: Device> Pool<D> {
             heap.keep_shared_apart();
         }
         let config = Self::fit_pages_to(&mut device, config);
+        if config.rules.small_max != heap.rules().small_max {
+            heap = Heap::new(config.rules.clone());
+            if config.cross_stream_reuse == CrossStreamReuse::Never {
+                heap.keep_shared_apart();
+            }
+        }
         let expandable = config.paging.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
-        let run = match config.paging {
-            Some(paging) if paging.mode == PagingMode::Pager => {
-                SizeRun::new(config.rules.small_max, paging.page_of(PoolKind::Small))
-            }
-            _ => SizeRun::default(),
-        };
-        let recent = match config.paging {
-            Some(paging) if paging.mode == PagingMode::Pager => {
-                RecentSizes::new(config.rules.small_max, paging.page_of(PoolKind::Large))
-            }
-            _ => RecentSizes::default(),
-        };
+        let small_max = config.rules.small_max;
+        let run = config.paging.and_then(|paging| {
+            paging.size_run.map(|rule| SizeRun::new(rule, small_max, paging.page_of(PoolKind::Small)))
+        });
+        let recent = config.paging.and_then(|paging| {
+            paging.kept_holes.map(|rule| RecentSizes::new(rule, small_max, paging.page_of(PoolKind::Large)))
+        });
         let mut pool = Pool {
             device,
             heap,
@@ -117,8 +137,8 @@ impl<D: Device> Pool<D> {
     /// Paged strategies: pages are whole multiples of what the device maps in (CUDA's
     /// granularity, asked of the driver: a smaller `page_size_mb` would fail every map), and the
     /// device makes them as `shareable_handle` / `peer_access` say. The effective page size is
-    /// what `config()` reports. A device that cannot map at all is left to fail the first map,
-    /// with the driver's reason.
+    /// what `config()` reports, and the small range's tiny blocks are a share of it. A device
+    /// that cannot map at all is left to fail the first map, with the driver's reason.
     fn fit_pages_to(device: &mut D, mut config: Config) -> Config {
         if let Some(paging) = config.paging.as_mut() {
             device.set_mapping_options(&config.mapping);
@@ -126,6 +146,9 @@ impl<D: Device> Pool<D> {
                 for page in &mut paging.page {
                     *page = page.next_multiple_of(granularity);
                 }
+            }
+            if let Some(per_page) = paging.tiny_per_page {
+                config.rules.small_max = paging.page_of(PoolKind::Small) / per_page;
             }
         }
         config
@@ -192,183 +215,40 @@ impl<D: Device> Pool<D> {
     #[inline(always)]
     pub fn alloc_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
         Self::validate(size)?;
-        // Asking whether the stream is being captured is itself a device call.
-        if !self.deferred.is_idle() || self.captures_graphs {
-            return Ok(None);
-        }
         let rounded = self.heap.rules().round(size);
-        let Some(id) = self.find_cached(rounded, stream) else {
-            return Ok(None);
-        };
-        if let Some(pages) = self.expandable.as_ref() {
-            let block = self.heap.block_at(id);
-            if !pages.is_backed(self.heap.segment_of(id), block.address, rounded) {
-                return Ok(None);
+        Ok(match self.place_cached(rounded, stream) {
+            Some(Placement::Block { id, wait_for: None, mapped: true }) => {
+                Some(self.take_cached(id, size, rounded, stream))
             }
-        }
-        let (handle, address) = self.heap.take_block(id, size, rounded, stream);
-        self.run.note(rounded);
-        self.recent.note(rounded);
-        Ok(Some(self.allocation(handle, address, size, stream)))
-    }
-
-    /// The kind a request of `rounded` bytes on `stream` goes to instead of the rules' kind:
-    /// the small range for a long run of same-size blocks while the pool is short of room (see
-    /// [`size_run::TIGHT_SHARE`]), or for a mid-size block whose best fit is a hole kept for a
-    /// recent large size (`recent_sizes.rs`).
-    #[inline(always)]
-    fn redirect(&self, rounded: u64, stream: StreamId) -> Option<PoolKind> {
-        match self.run_redirect(rounded) {
-            None if self.recent.is_mid(rounded) => {
-                let id = self.best_fit(rounded, stream)?;
-                self.is_kept_hole(id).then_some(PoolKind::Small)
-            }
-            run => run,
-        }
-    }
-
-    /// The kind [`SizeRun`] sends a request of `rounded` bytes to, while the pool is short of
-    /// room (see [`size_run::TIGHT_SHARE`]).
-    #[inline(always)]
-    fn run_redirect(&self, rounded: u64) -> Option<PoolKind> {
-        self.run.redirect(rounded).filter(|_| {
-            let Some(most) = self.growth.ceiling else { return false };
-            let reserved = self.heap.stats().get(Metric::ReservedBytes, StatType::All).current;
-            (most.saturating_sub(reserved) as f64) < size_run::TIGHT_SHARE * most as f64
+            _ => None,
         })
     }
 
-    /// The best-fitting free block for `rounded` bytes: of the stream's own, else a shared one.
+    /// [`Pool::place`] among the stream's own and shared blocks, or `None` while frees wait on
+    /// events or streams may be captured: the placement would then need device calls.
     #[inline(always)]
-    fn best_fit(&self, rounded: u64, stream: StreamId) -> Option<u32> {
-        self.heap.find(rounded, stream).or_else(|| self.heap.find(rounded, SHARED))
+    fn place_cached(&self, rounded: u64, stream: StreamId) -> Option<Placement> {
+        // Asking whether the stream is being captured is itself a device call.
+        (self.deferred.is_idle() && !self.captures_graphs).then(|| self.place(rounded, stream, Search::Own))
     }
 
-    /// Whether free block `id` is a hole of a large range with a block after it (not the
-    /// range's free end) that a recent, recurring large request of exactly its size would reuse.
+    /// Allocates cached free block `id`, whose pages are mapped, for `size` (`rounded`) bytes.
     #[inline(always)]
-    fn is_kept_hole(&self, id: u32) -> bool {
-        let b = self.heap.block_at(id);
-        b.expandable && b.next != NIL && self.recent.keeps(b.size)
-    }
-
-    /// The cached block for `rounded` bytes on `stream`: of the stream's own, else a shared one,
-    /// in the pool kind the rules give the size, or the one [`Pool::redirect`] sends it to. The
-    /// best fit is searched once whether or not it turns out to be a kept hole.
-    #[inline(always)]
-    fn find_cached(&self, rounded: u64, stream: StreamId) -> Option<u32> {
-        if let Some(kind) = self.run_redirect(rounded) {
-            return self.heap.find_in(kind, rounded, stream).or_else(|| self.heap.find_in(kind, rounded, SHARED));
-        }
-        let found = self.best_fit(rounded, stream);
-        if self.recent.is_mid(rounded) {
-            return self.unless_kept(found, rounded, stream);
-        }
-        found
-    }
-
-    /// `found`, unless it is a kept hole: then the small range's best fit.
-    #[inline(never)]
-    fn unless_kept(&self, found: Option<u32>, rounded: u64, stream: StreamId) -> Option<u32> {
-        match found {
-            Some(id) if self.is_kept_hole(id) => {
-                let small = PoolKind::Small;
-                self.heap.find_in(small, rounded, stream).or_else(|| self.heap.find_in(small, rounded, SHARED))
-            }
-            found => found,
-        }
-    }
-
-    /// A cached block of another stream for `rounded` bytes, with its owner; like
-    /// [`Pool::find_cached`], a block of a long run near the limit looks only in the kind the run
-    /// goes to, and a mid-size request whose best fit there is a kept hole looks in the small
-    /// range instead.
-    fn find_foreign(&self, rounded: u64, stream: StreamId) -> Option<(u32, StreamId)> {
-        if let Some(kind) = self.run_redirect(rounded) {
-            return self.heap.find_foreign_in(kind, rounded, stream);
-        }
-        match self.heap.find_foreign(rounded, stream) {
-            Some((id, _)) if self.recent.is_mid(rounded) && self.is_kept_hole(id) => {
-                self.heap.find_foreign_in(PoolKind::Small, rounded, stream)
-            }
-            found => found,
-        }
-    }
-
-    /// `size` was validated by the caller.
-    fn try_cached(&mut self, size: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
-        if self.settle_captured_frees()? {
-            self.after_completions();
-        }
-        let rounded = self.heap.rules().round(size);
-        if !self.deferred.is_idle() {
-            self.deferred.poll(&mut self.device, &mut self.heap, false)?;
-        }
-        // Shared blocks are safe for every stream; under `never` only destroyed streams' land there.
-        if let Some(a) = self.take_cached(size, rounded, stream)? {
-            return Ok(Some(a));
-        }
-        if self.config.cross_stream_reuse == CrossStreamReuse::Never {
-            return Ok(None);
-        }
-        // Other streams' frees become shared once a fence recorded after them completes.
-        self.deferred.fence_streams(&mut self.device, &mut self.heap, Some(stream))?;
-        self.deferred.poll(&mut self.device, &mut self.heap, false)?;
-        if let Some(a) = self.take_cached(size, rounded, stream)? {
-            return Ok(Some(a));
-        }
-        if self.config.cross_stream_reuse == CrossStreamReuse::Wait {
-            // An event recorded on a capturing stream would pull `stream` into the capture.
-            if let Some((id, owner)) = self
-                .find_foreign(rounded, stream)
-                .filter(|&(_, owner)| !self.captures_graphs || !self.device.is_capturing(owner).unwrap_or(true))
-            {
-                self.make_wait_for(stream, owner)?;
-                return self.take_found(id, size, rounded, stream).map(Some);
-            }
-        }
-        Ok(None)
-    }
-
-    /// A cached block of the stream's own, else a shared one.
-    fn take_cached(&mut self, size: u64, rounded: u64, stream: StreamId) -> Result<Option<Allocation>, PoolError> {
-        match self.find_cached(rounded, stream) {
-            Some(id) => self.take_found(id, size, rounded, stream).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    /// Allocates the front of free block `id` for `size` (`rounded` by the rules), first mapping
-    /// its pages if it lies in an expandable segment.
-    fn take_found(&mut self, id: u32, size: u64, rounded: u64, stream: StreamId) -> Result<Allocation, PoolError> {
-        if let Some(pages) = self.expandable.as_mut() {
-            let (block, segment) = (self.heap.block_at(id), self.heap.segment_of(id));
-            let (address, free_end) = (block.address, block.end());
-            let backing = pages.ensure_mapped(
-                &mut self.device,
-                &mut self.heap,
-                segment,
-                address,
-                rounded,
-                free_end,
-                stream,
-                self.growth.limit,
-            )?;
-            match backing {
-                Backing::Ready => {}
-                Backing::Mapped => self.note_page_calls(stream),
-                Backing::Piece(piece) => return Ok(self.take_piece(piece, size, rounded, stream)),
-            }
-        }
+    fn take_cached(&mut self, id: u32, size: u64, rounded: u64, stream: StreamId) -> Allocation {
         let (handle, address) = self.heap.take_block(id, size, rounded, stream);
-        Ok(self.allocation(handle, address, size, stream))
+        self.note_size(rounded);
+        self.allocation(handle, address, size, stream)
     }
 
-    /// Allocates free block `piece`, whose pages are mapped, instead of the block found.
-    #[cold]
-    fn take_piece(&mut self, piece: u32, size: u64, rounded: u64, stream: StreamId) -> Allocation {
-        let (handle, address) = self.heap.take_block(piece, size, rounded, stream);
-        self.allocation(handle, address, size, stream)
+    /// Feeds the size trackers of the placement policy.
+    #[inline(always)]
+    fn note_size(&mut self, rounded: u64) {
+        if let Some(run) = self.run.as_mut() {
+            run.note(rounded);
+        }
+        if let Some(recent) = self.recent.as_mut() {
+            recent.note(rounded);
+        }
     }
 
     /// Orders `stream`'s later work after everything queued on `owner` so far.
@@ -385,80 +265,164 @@ impl<D: Device> Pool<D> {
     }
 
     /// Allocates `size` bytes for use on `stream`: from the cache, else from new device memory;
-    /// when the device refuses, every event is waited for, cached memory returned, the cache
-    /// searched again (PyTorch forgets to) and the device asked once more (a device may refuse
-    /// transiently, so that happens even if nothing was freed).
+    /// when the device refuses, the strategy's out-of-memory ladder runs: by default every
+    /// event is waited for, cached memory returned, the cache searched again (PyTorch forgets
+    /// to) and the device asked once more (a device may refuse transiently, so that happens
+    /// even if nothing was freed).
     #[inline(always)]
     pub fn alloc_on(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
-        // The cache hit first: it needs none of the checks below, only the bins.
-        if let Ok(Some(a)) = self.alloc_cached(size, stream) {
-            return Ok(a);
-        }
-        let a = self.alloc_uncached(size, stream)?;
+        Self::validate(size)?;
         let rounded = self.heap.rules().round(size);
-        self.run.note(rounded);
-        self.recent.note(rounded);
+        // The cache hit first: it needs none of the checks below, only the bins.
+        let placed = self.place_cached(rounded, stream);
+        if let Some(Placement::Block { id, wait_for: None, mapped: true }) = placed {
+            return Ok(self.take_cached(id, size, rounded, stream));
+        }
+        let a = self.alloc_slow(size, rounded, stream, placed)?;
+        self.note_size(rounded);
         Ok(a)
     }
 
-    /// [`Pool::alloc_on`] when [`Pool::alloc_cached`] could not serve the request.
+    /// [`Pool::alloc_on`] when the cache could not serve the request without calling the device:
+    /// `placed` is where [`Pool::place`] put it, if it could look.
     #[inline(never)]
-    fn alloc_uncached(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
-        Self::validate(size)?;
+    fn alloc_slow(
+        &mut self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        placed: Option<Placement>,
+    ) -> Result<Allocation, PoolError> {
         if self.captures_graphs {
             self.refuse_capture(stream, Refused::Work)?;
         }
         // More than the device or the pool's limit could ever hold: no cache flush can help, and
         // no bookkeeping is set up for it.
-        if self.growth.ceiling.is_some_and(|most| self.heap.rules().round(size) > most) {
+        if self.growth.ceiling.is_some_and(|most| rounded > most) {
             return Err(self.out_of_memory(size, stream));
         }
-        match self.try_cached(size, stream).and_then(|cached| match cached {
-            Some(a) => Ok(a),
-            None => self.grow(size, stream),
-        }) {
+        match self.settle_and_take(size, rounded, stream, placed) {
             Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {}
             done => return done,
         }
-        // PyTorch's first remedy: cached oversize blocks, which this request may not use.
-        if self.release_oversize(size)? {
-            match self.grow(size, stream) {
+        for &step in self.config.oom_ladder {
+            let served = match step {
+                OomStep::ReleaseOversize if self.release_oversize(size)? => {
+                    let placement = self.place(rounded, stream, Search::Own);
+                    let placement = self.place_new(rounded, stream, placement)?;
+                    self.take(placement, size, rounded, stream)
+                }
+                OomStep::ReleaseOversize => continue,
+                OomStep::ReleaseCached => {
+                    self.complete_all()?;
+                    self.heap.stats_mut().num_sync_all_streams += 1;
+                    self.release_cached()?;
+                    self.heap.stats_mut().num_alloc_retries += 1;
+                    continue;
+                }
+                OomStep::Place => self.settle_and_take(size, rounded, stream, None),
+                OomStep::PlaceLeastMapping => match self.place(rounded, stream, Search::LeastMapping) {
+                    Placement::New(_) => continue,
+                    placement => self.take(placement, size, rounded, stream),
+                },
+            };
+            match served {
                 Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {}
                 done => return done,
             }
         }
-        self.complete_all()?;
-        self.heap.stats_mut().num_sync_all_streams += 1;
-        self.release_cached()?;
-        self.heap.stats_mut().num_alloc_retries += 1;
-        // gpupool's pager places the retry where it needs the fewest new pages: now that every
-        // free handle is unmapped, a best fit could spend pages that a hole's mapped edges save.
-        let least_first = self.expandable.as_ref().is_some_and(Expandable::places_least_mapping_first);
-        let retried = match least_first {
-            true => self.take_least_mapping(size, stream),
-            false => Err(PoolError::Device(DeviceError::OutOfMemory { requested: size })),
-        };
-        let retried = match retried {
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => {
-                self.try_cached(size, stream).and_then(|cached| match cached {
-                    Some(a) => Ok(a),
-                    None => self.grow(size, stream),
-                })
-            }
-            other => other,
-        };
-        // The reference pager (`pages`) tries that only when a best fit failed.
-        let places_by_pages = self.expandable.as_ref().is_some_and(Expandable::places_by_pages);
-        let retried = match retried {
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) if places_by_pages && !least_first => {
-                self.take_least_mapping(size, stream)
-            }
-            other => other,
-        };
-        match retried {
-            Err(PoolError::Device(DeviceError::OutOfMemory { .. })) => Err(self.out_of_memory(size, stream)),
-            done => done,
+        Err(self.out_of_memory(size, stream))
+    }
+
+    /// Completes what finished (frees held for a capture, frees waiting on events), places the
+    /// request again only if that changed the cache (else `placed` stands), tries other
+    /// streams' blocks as `cross_stream_reuse` allows, and takes the block or new memory.
+    fn settle_and_take(
+        &mut self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        placed: Option<Placement>,
+    ) -> Result<Allocation, PoolError> {
+        let mut changed = false;
+        if self.settle_captured_frees()? {
+            self.after_completions();
+            changed = true;
         }
+        if !self.deferred.is_idle() {
+            changed |= self.deferred.poll(&mut self.device, &mut self.heap, false)?;
+        }
+        let mut placement = match placed {
+            Some(placement) if !changed => placement,
+            _ => self.place(rounded, stream, Search::Own),
+        };
+        // Shared blocks are safe for every stream; under `never` only destroyed streams' land there.
+        if matches!(placement, Placement::New(_)) && self.config.cross_stream_reuse != CrossStreamReuse::Never {
+            // Other streams' frees become shared once a fence recorded after them completes.
+            let retired = self.deferred.fence_streams(&mut self.device, &mut self.heap, Some(stream))?;
+            if self.deferred.poll(&mut self.device, &mut self.heap, false)? || retired {
+                placement = self.place(rounded, stream, Search::Own);
+            }
+        }
+        if matches!(placement, Placement::New(_)) && self.config.cross_stream_reuse == CrossStreamReuse::Wait {
+            // An event recorded on a capturing stream would pull `stream` into the capture.
+            match self.place(rounded, stream, Search::Foreign) {
+                Placement::Block { wait_for: Some(owner), .. }
+                    if self.captures_graphs && self.device.is_capturing(owner).unwrap_or(true) => {}
+                foreign @ Placement::Block { .. } => placement = foreign,
+                Placement::New(_) => {}
+            }
+        }
+        let placement = self.place_new(rounded, stream, placement)?;
+        self.take(placement, size, rounded, stream)
+    }
+
+    /// `placement`, unless it asks for new memory while a range's free address space beyond the
+    /// `max_split_size` cap could take the request: then that space (see [`Search::Uncapped`]).
+    /// New memory for a stream that is gone is an error, rather than memory cached for it.
+    fn place_new(&mut self, rounded: u64, stream: StreamId, placement: Placement) -> Result<Placement, PoolError> {
+        let Placement::New(_) = placement else { return Ok(placement) };
+        self.device.query_stream(stream)?;
+        let capped = self.heap.rules().max_block_for(rounded) != u64::MAX;
+        Ok(match self.place(rounded, stream, Search::Uncapped) {
+            found @ Placement::Block { .. } if capped => found,
+            _ => placement,
+        })
+    }
+
+    /// Allocates what [`Pool::place`] chose: the block (after making `stream` wait for its owner,
+    /// if it is another stream's) or new memory.
+    fn take(
+        &mut self,
+        placement: Placement,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+    ) -> Result<Allocation, PoolError> {
+        match placement {
+            Placement::Block { id, wait_for, .. } => {
+                if let Some(owner) = wait_for {
+                    self.make_wait_for(stream, owner)?;
+                }
+                self.take_block(id, size, rounded, stream)
+            }
+            Placement::New(kind) => self.alloc_new(kind, size, rounded, stream),
+        }
+    }
+
+    /// Allocates the front of free block `id` for `size` (`rounded` by the rules), first mapping
+    /// its pages if it lies in an expandable range.
+    fn take_block(&mut self, id: u32, size: u64, rounded: u64, stream: StreamId) -> Result<Allocation, PoolError> {
+        if let Some(pages) = self.expandable.as_mut() {
+            let (block, segment) = (self.heap.block_at(id), self.heap.segment_of(id));
+            let (address, free_end) = (block.address, block.end());
+            let (device, heap, limit) = (&mut self.device, &mut self.heap, self.growth.limit);
+            if pages.ensure_mapped(device, heap, segment, address, rounded, free_end, limit)? == Backing::Mapped {
+                self.note_page_calls(stream);
+            }
+        }
+        let (handle, address) = self.heap.take_block(id, size, rounded, stream);
+        Ok(self.allocation(handle, address, size, stream))
     }
 
     /// Counts and records a request for `size` bytes that failed for good; returns its error.
@@ -468,45 +432,19 @@ impl<D: Device> Pool<D> {
         PoolError::OutOfMemory(Box::new(self.oom_report(size)))
     }
 
-    /// The pagers' placement under pressure: the block goes where it needs the fewest new pages.
-    fn take_least_mapping(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
-        let rules = self.heap.rules();
-        let (rounded, oom) = (rules.round(size), PoolError::Device(DeviceError::OutOfMemory { requested: size }));
-        let kind = rules.kind(rounded);
-        let fit = self.expandable.as_ref().and_then(|pages| pages.least_mapping_fit(&self.heap, rounded, kind, stream));
-        match fit {
-            Some(id) => self.take_found(id, size, rounded, stream),
-            None => Err(oom),
-        }
-    }
-
-    /// Obtains new device memory for `size` bytes on `stream` and allocates from it: a segment,
-    /// or in expandable mode a new address range whose pages get mapped.
-    fn grow(&mut self, size: u64, stream: StreamId) -> Result<Allocation, PoolError> {
-        // Fail before growing if the stream is gone, rather than cache memory for it.
-        self.device.query_stream(stream)?;
-        let rules = self.heap.rules();
-        let rounded = rules.round(size);
-        let kind = self.redirect(rounded, stream).unwrap_or(rules.kind(rounded));
-        if let Some(pages) = self.expandable.as_ref() {
-            // With `max_split_size` set the cached search passed over the ranges' free space (a
-            // block of it is as big as the range); map pages there before reserving a new range.
-            // Not in cached blocks beyond the cap, though: those are kept whole, as PyTorch does.
-            let (heap, cap) = (&self.heap, rules.max_block_for(rounded));
-            let free =
-                [stream, SHARED].into_iter().find_map(|owner| match heap.find_uncapped_in(kind, rounded, owner) {
-                    Some(id) if pages.may_grow_into(heap, id, cap) => Some(id),
-                    Some(_) => pages.growth_fit(heap, rounded, cap, kind, owner),
-                    None => None,
-                });
-            if let Some(id) = free {
-                return self.take_found(id, size, rounded, stream);
-            }
-        }
+    /// New device memory of pool `kind` for `size` bytes on `stream`, allocated from: a segment,
+    /// or for a paged strategy a new address range, whose pages then get mapped.
+    fn alloc_new(
+        &mut self,
+        kind: PoolKind,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+    ) -> Result<Allocation, PoolError> {
         if let Some(pages) = self.expandable.as_mut() {
-            let segment = pages.grow(&mut self.device, &mut self.heap, kind, stream, rounded)?;
+            let segment = pages.reserve_range(&mut self.device, &mut self.heap, kind, stream, rounded)?;
             let id = self.heap.segment_head(segment);
-            return self.take_found(id, size, rounded, stream);
+            return self.take_block(id, size, rounded, stream);
         }
         self.collect_garbage()?;
         let (address, segment_size) = self.allocate_segment(rounded, stream)?;

@@ -1,6 +1,7 @@
-//! Kept holes (`recent_sizes.rs`) under streams, cross-stream modes, `max_split_size` and
-//! pressure: the cached search and the growth path agree, and every invariant holds.
+//! The placement's redirects (kept holes, runs) under streams, cross-stream modes,
+//! `max_split_size` and pressure: every search honours them and every invariant holds.
 
+use super::placement::{Placement, Search};
 use super::{BlockState, Config, Handle, Pool, PoolError, PoolKind, StreamId, DEFAULT_STREAM};
 use crate::device::Sim;
 use proptest::prelude::*;
@@ -39,29 +40,19 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
     prop::collection::vec(op, 1..300)
 }
 
-/// For every mid size and stream: the block the cached search returns lies in the kind that the
-/// growth path's `redirect` names, and a kept best fit is never returned, nor waited for on
-/// another stream, nor is another stream's block outside the kind a run goes to.
+/// For every mid size and stream: no placement, of the stream's own blocks or of another
+/// stream's, is a kept hole, and a long run near the limit is never placed outside the small
+/// range.
 fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String> {
     for &rounded in &[300u64 << 10, 512 << 10, 768 << 10, MIB] {
         for &s in streams {
-            let kind = pool.redirect(rounded, s).unwrap_or(pool.heap.rules().kind(rounded));
-            if let Some(id) = pool.find_cached(rounded, s) {
-                let b = pool.heap.block_at(id);
-                if b.kind != kind {
-                    return Err(format!("find_cached gives {:?} for {rounded} on {s}, redirect {kind:?}", b.kind));
+            for search in [Search::Own, Search::Foreign] {
+                let Placement::Block { id, .. } = pool.place(rounded, s, search) else { continue };
+                if pool.turns_away(rounded, id) {
+                    return Err(format!("{search:?} placement is a kept hole for {rounded} on {s}"));
                 }
-                if pool.is_kept_hole(id) {
-                    return Err(format!("find_cached gives a kept hole for {rounded} on {s}"));
-                }
-            }
-            if let Some((id, _)) = pool.find_foreign(rounded, s) {
-                if pool.is_kept_hole(id) {
-                    return Err(format!("find_foreign gives a kept hole for {rounded} on {s}"));
-                }
-                let run = pool.run_redirect(rounded);
-                if run.is_some_and(|kind| pool.heap.block_at(id).kind != kind) {
-                    return Err(format!("find_foreign leaves {run:?}, where a run of {rounded} goes"));
+                if pool.runs_to_small(rounded) && pool.heap.block_at(id).kind != PoolKind::Small {
+                    return Err(format!("{search:?} placement leaves the small range a run of {rounded} goes to"));
                 }
             }
         }
@@ -134,12 +125,12 @@ fn a_side_streams_kept_hole() {
     pool.check_invariants().unwrap();
 }
 
-/// Non-pager strategies: RecentSizes is inert.
+/// Other strategies, and the default without the rules, track no sizes.
 #[test]
 fn other_strategies_keep_nothing() {
-    for strategy in ["pages", "expandable", "pytorch", "bfc"] {
-        let pool = Pool::new(Sim::new(1 << 30), Config::parse(&format!("strategy:{strategy}")).unwrap());
-        assert!(!pool.recent.is_mid(768 << 10) && !pool.recent.is_mid(1), "{strategy}");
+    for config in ["strategy:pages", "strategy:expandable", "strategy:pytorch", "rules_off:[size_run,kept_holes]"] {
+        let pool = Pool::new(Sim::new(1 << 30), Config::parse(config).unwrap());
+        assert!(pool.recent.is_none() && pool.run.is_none(), "{config}");
     }
 }
 

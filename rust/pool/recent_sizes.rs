@@ -26,6 +26,8 @@ pub const MIN_SEEN: u32 = 2;
 /// How many large sizes are remembered.
 pub const RECENT: usize = 16;
 
+use super::policy::KeptHolesRule;
+
 /// The [`RECENT`] sizes of at least [`KEEP_PAGES`] pages most recently asked for, each with how
 /// many requests it had since it was taken in; a new size replaces the one asked for least
 /// recently, so a size that every step asks for stays however many others come and go.
@@ -37,32 +39,29 @@ pub struct RecentSizes {
     /// When each was last asked for, in remembered requests.
     last: [u64; RECENT],
     clock: u64,
-    /// Requests from this size up are remembered; `u64::MAX` unless the pool is gpupool's pager.
+    /// Requests from this size up are remembered.
     smallest: u64,
+    /// How many requests of a size make its holes kept.
+    min_seen: u32,
     /// Requests in `(mid_above, mid_most]` are the mid-size ones a kept hole turns away.
     mid_above: u64,
     mid_most: u64,
 }
 
-impl Default for RecentSizes {
-    fn default() -> Self {
+impl RecentSizes {
+    /// For a pager whose small range holds blocks of at most `small_max` and whose pages are
+    /// `page` bytes.
+    pub fn new(rule: KeptHolesRule, small_max: u64, page: u64) -> Self {
         RecentSizes {
             sizes: [0; RECENT],
             seen: [0; RECENT],
             last: [0; RECENT],
             clock: 0,
-            smallest: u64::MAX,
-            mid_above: 0,
-            mid_most: 0,
+            smallest: rule.keep_pages * page,
+            min_seen: rule.min_seen,
+            mid_above: small_max,
+            mid_most: page / 2,
         }
-    }
-}
-
-impl RecentSizes {
-    /// For a pager whose small range holds blocks of at most `small_max` and whose pages are
-    /// `page` bytes.
-    pub fn new(small_max: u64, page: u64) -> Self {
-        RecentSizes { smallest: KEEP_PAGES * page, mid_above: small_max, mid_most: page / 2, ..Self::default() }
     }
 
     /// Counts an allocation of `rounded` bytes.
@@ -98,7 +97,7 @@ impl RecentSizes {
 
     /// Whether a hole of `size` bytes is kept for a recent request of exactly that size.
     pub fn keeps(&self, size: u64) -> bool {
-        size >= self.smallest && self.sizes.iter().zip(self.seen).any(|(&s, n)| s == size && n >= MIN_SEEN)
+        size >= self.smallest && self.sizes.iter().zip(self.seen).any(|(&s, n)| s == size && n >= self.min_seen)
     }
 }
 
@@ -110,7 +109,8 @@ mod tests {
 
     #[test]
     fn keeps_holes_of_recent_large_sizes_only() {
-        let mut recent = RecentSizes::new(256 << 10, 2 * MIB);
+        let rule = KeptHolesRule { keep_pages: KEEP_PAGES, min_seen: MIN_SEEN };
+        let mut recent = RecentSizes::new(rule, 256 << 10, 2 * MIB);
         assert!(recent.is_mid(512 << 10) && recent.is_mid(MIB));
         assert!(!recent.is_mid(256 << 10) && !recent.is_mid(MIB + 512));
         // Below eight pages nothing is remembered.
@@ -139,10 +139,5 @@ mod tests {
         // A size taken in again starts its count anew.
         recent.note(24 * MIB);
         assert!(!recent.keeps(24 * MIB));
-        // A pool that is not gpupool's pager keeps nothing.
-        let mut off = RecentSizes::default();
-        off.note(24 * MIB);
-        off.note(24 * MIB);
-        assert!(!off.keeps(24 * MIB) && !off.is_mid(MIB));
     }
 }

@@ -11,7 +11,7 @@
 //! die with their neighbours, and there filling the large blocks' edge pages is what saves
 //! memory: runs that long are rare in them, and no shared trace or snapshot moves.
 
-use crate::core::PoolKind;
+use super::policy::SizeRunRule;
 
 /// Runs are sent to the small range only while less than this share of what the pool may hold
 /// (the device, or its limit) is unmapped. With more room a second range only adds its own high
@@ -26,19 +26,20 @@ pub const TIGHT_SHARE: f64 = 0.1;
 pub const RUN_TO_SMALL: u32 = 8;
 
 /// The rounded size of the last allocations and how many in a row had it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SizeRun {
+    pub rule: SizeRunRule,
     size: u64,
     count: u32,
     /// Sizes in `(smallest, largest]` are redirected: above the small range's own blocks, at
-    /// most its page. Empty (0, 0) unless the pool is gpupool's pager.
+    /// most its page.
     smallest: u64,
     largest: u64,
 }
 
 impl SizeRun {
-    pub fn new(smallest: u64, largest: u64) -> Self {
-        SizeRun { size: 0, count: 0, smallest, largest: largest.max(smallest) }
+    pub fn new(rule: SizeRunRule, smallest: u64, largest: u64) -> Self {
+        SizeRun { rule, size: 0, count: 0, smallest, largest: largest.max(smallest) }
     }
 
     /// Counts an allocation of `rounded` bytes.
@@ -52,12 +53,14 @@ impl SizeRun {
         }
     }
 
-    /// The pool kind a request of `rounded` bytes goes to instead of the rules' kind, if any:
-    /// the small range, when it continues a long run of blocks of at most a page.
+    /// Whether a request of `rounded` bytes continues a long run of blocks of at most a page
+    /// (above the small range's own).
     #[inline(always)]
-    pub fn redirect(&self, rounded: u64) -> Option<PoolKind> {
-        let continues = rounded == self.size && self.count >= RUN_TO_SMALL;
-        (continues && rounded > self.smallest && rounded <= self.largest).then_some(PoolKind::Small)
+    pub fn continues(&self, rounded: u64) -> bool {
+        rounded == self.size
+            && self.count >= self.rule.run_to_small
+            && rounded > self.smallest
+            && rounded <= self.largest
     }
 }
 
@@ -67,20 +70,17 @@ mod tests {
 
     #[test]
     fn only_a_long_run_of_mid_sizes_is_redirected() {
-        let mut run = SizeRun::new(256 << 10, 2 << 20);
+        let rule = SizeRunRule { run_to_small: RUN_TO_SMALL, tight_share: TIGHT_SHARE };
+        let mut run = SizeRun::new(rule, 256 << 10, 2 << 20);
         for size in [512 << 10, 4 << 20, 128 << 10] {
             for i in 0..RUN_TO_SMALL + 2 {
-                let expected = (i >= RUN_TO_SMALL && size == 512 << 10).then_some(PoolKind::Small);
-                assert_eq!(run.redirect(size), expected, "{size} bytes, {i} before it");
+                let expected = i >= RUN_TO_SMALL && size == 512 << 10;
+                assert_eq!(run.continues(size), expected, "{size} bytes, {i} before it");
                 run.note(size);
             }
         }
         // Another size breaks the run.
         run.note(512 << 10);
-        assert_eq!(run.redirect(512 << 10), None);
-        // A pool that is not gpupool's pager redirects nothing.
-        let mut off = SizeRun::default();
-        (0..100).for_each(|_| off.note(512 << 10));
-        assert_eq!(off.redirect(512 << 10), None);
+        assert!(!run.continues(512 << 10));
     }
 }

@@ -141,6 +141,7 @@ fn settings_dict<'py>(py: Python<'py>, entries: Vec<(&'static str, Setting)>) ->
             Setting::Bool(v) => dict.set_item(key, v)?,
             Setting::Unset => dict.set_item(key, py.None())?,
             Setting::List(items) => dict.set_item(key, items)?,
+            Setting::Names(names) => dict.set_item(key, names)?,
             Setting::Divisions(pairs) => {
                 let divisions = PyDict::new(py);
                 for (mb, count) in pairs {

@@ -1,7 +1,8 @@
 //! The grammar (PyTorch's: spaces ignored, items split at commas outside brackets) and what
 //! each key accepts; then the keys resolved into a [`Config`], in any order.
 
-use super::{Backend, Config, ConfigError, CrossStreamReuse, Paging, PagingMode, Strategy};
+use super::policy::{self, Paging, LEAST_MAPPING_FIRST, PAGES_LADDER, PYTORCH_LADDER};
+use super::{Backend, Config, ConfigError, CrossStreamReuse, Strategy};
 use super::{DEFAULT_ARENA_MB, DEFAULT_PAGE_MB, MIB, MIN_SPLIT_LIMIT_MB};
 use crate::core::{Rules, POWER2_INTERVALS};
 use crate::device::MappingOptions;
@@ -11,7 +12,7 @@ use std::num::IntErrorKind;
 const KNOWN_KEYS: &str = "strategy, backend, max_split_size_mb, max_non_split_rounding_mb, \
     roundup_power2_divisions, garbage_collection_threshold, expandable_segments, \
     per_process_memory_fraction, large_segment_size_mb, release_threshold, initial_pool_size_mb, \
-    page_size_mb, cross_stream_reuse, shareable_handle, peer_access, and PyTorch's keys that do not \
+    page_size_mb, cross_stream_reuse, shareable_handle, peer_access, rules_off, and PyTorch's keys that do not \
     affect device memory (release_lock_on_cudamalloc, pinned_*, graph_capture_record_stream_reuse, \
     throw_on_cudamalloc_oom, expandable_segments_reserve, expandable_segments_reserve_by_class)";
 
@@ -19,8 +20,6 @@ const KNOWN_KEYS: &str = "strategy, backend, max_split_size_mb, max_non_split_ro
 const MAX_MB: u64 = 1 << 40;
 /// PyTorch's expandable segments map the large pool in handles of `kLargeBuffer`.
 const HANDLE_LARGE_MB: u64 = 20;
-/// The default's small blocks are those a page holds at least this many of (256 KiB in 2 MiB).
-const TINY_PER_PAGE: u64 = 8;
 
 /// PyTorch's keys that shape nothing gpupool simulates: its pinned host-memory allocator, CUDA
 /// graph capture, the lock it drops around `cudaMalloc`, the virtual address space reserved
@@ -98,6 +97,8 @@ pub(super) struct Keys {
     page_size_mb: Option<u64>,
     cross_stream_reuse: Option<CrossStreamReuse>,
     mapping: MappingOptions,
+    /// `rules_off`'s names, as given.
+    rules_off: Vec<&'static str>,
     /// Keys set that do not affect device memory, in the order first given.
     inert: Vec<&'static str>,
 }
@@ -142,6 +143,7 @@ impl Keys {
                 self.mapping.shareable = choice(key, value, &[("none", false), ("posix_fd", true)])?;
             }
             "peer_access" => self.mapping.peers = devices(key, value)?,
+            "rules_off" => self.rules_off = rule_names(key, value)?,
             "cross_stream_reuse" => {
                 let modes = [CrossStreamReuse::Never, CrossStreamReuse::Completed, CrossStreamReuse::Wait];
                 self.cross_stream_reuse = Some(choice(key, value, &modes.map(|m| (m.name(), m)))?);
@@ -213,15 +215,34 @@ impl Keys {
         }
         rules.power2_divisions = self.power2_divisions.filter(|table| table.iter().any(|&d| d > 1));
         let page = |default_mb: u64| self.page_size_mb.unwrap_or(default_mb) * MIB;
-        let paging = match strategy {
+        let mut paging = match strategy {
             // PyTorch's handle sizes: its small and large segment sizes (kSmallBuffer, kLargeBuffer).
-            Strategy::Expandable => {
-                Some(Paging { page: [page(DEFAULT_PAGE_MB), page(HANDLE_LARGE_MB)], mode: PagingMode::Handles })
-            }
-            Strategy::Pages => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pages }),
-            Strategy::Default => Some(Paging { page: [page(DEFAULT_PAGE_MB); 2], mode: PagingMode::Pager }),
+            Strategy::Expandable => Some(Paging::handles(page(DEFAULT_PAGE_MB), page(HANDLE_LARGE_MB))),
+            Strategy::Pages => Some(Paging::pages(page(DEFAULT_PAGE_MB))),
+            Strategy::Default => Some(Paging::pager(page(DEFAULT_PAGE_MB))),
             _ => None,
         };
+        let mut oom_ladder = match strategy {
+            Strategy::Default => LEAST_MAPPING_FIRST,
+            Strategy::Pages => PAGES_LADDER,
+            _ => PYTORCH_LADDER,
+        };
+        for &rule in &self.rules_off {
+            let was_on = match paging.as_mut().filter(|_| strategy == Strategy::Default) {
+                Some(_) if rule == "least_mapping_first" => {
+                    std::mem::replace(&mut oom_ladder, PAGES_LADDER) != PAGES_LADDER
+                }
+                Some(pager) => pager.turn_off(rule),
+                None => false,
+            };
+            if !was_on {
+                return Err(ConfigError(format!(
+                    "config key 'rules_off': '{rule}' is not a rule of strategy '{}' (the default's are: {})",
+                    strategy.name(),
+                    policy::RULES.map(|(name, _)| name).join(", ")
+                )));
+            }
+        }
         // These shape the paged strategies' physical memory. The others allocate plain segments
         // (shared between processes through CUDA IPC handles, without `shareable_handle`), where
         // such a key would be accepted and do nothing.
@@ -237,17 +258,20 @@ impl Keys {
                 strategy.name()
             )));
         }
-        if strategy == Strategy::Default {
-            // A page holds many blocks of at most an eighth of it: apart from the large blocks
-            // they pin few pages, and split no hole a large request could reuse. Larger blocks
-            // share the large range, where they fill the edge pages of large ones.
-            rules.small_max = page(DEFAULT_PAGE_MB) / TINY_PER_PAGE;
+        // A page holds many blocks of at most an eighth of it: apart from the large blocks they
+        // pin few pages, and split no hole a large request could reuse. Larger blocks share the
+        // large range, where they fill the edge pages of large ones. The pool sets it again from
+        // the page it actually maps (rounded to the device's granularity).
+        if let Some(per_page) = paging.and_then(|p| p.tiny_per_page) {
+            rules.small_max = page(DEFAULT_PAGE_MB) / per_page;
         }
         Ok(Config {
             strategy,
             rules,
             cross_stream_reuse: self.cross_stream_reuse.unwrap_or_default(),
             paging,
+            oom_ladder,
+            rules_off: self.rules_off,
             backend: self.backend.unwrap_or_default(),
             // Without pooling every free goes straight back to the device.
             release_threshold: self.release_threshold.or((strategy == Strategy::Direct).then_some(0.0)),
@@ -356,6 +380,23 @@ fn devices(key: &str, value: &str) -> Result<Vec<i32>, ConfigError> {
     Ok(devices)
 }
 
+/// `rules_off`: a list of names from [`policy::RULES`], each once, such as `[size_run,kept_holes]`.
+fn rule_names(key: &str, value: &str) -> Result<Vec<&'static str>, ConfigError> {
+    let known = policy::RULES.map(|(name, _)| name);
+    let bad = |why: String| ConfigError(format!("config key '{key}' {why} (rules: {})", known.join(", ")));
+    let list = value.strip_prefix('[').and_then(|v| v.strip_suffix(']'));
+    let list = list.ok_or_else(|| bad(format!("needs a list of rules such as [size_run], got '{value}'")))?;
+    let mut names: Vec<&'static str> = Vec::new();
+    for item in list.split(',').filter(|item| !item.is_empty()) {
+        let name = known.into_iter().find(|&k| k == item).ok_or_else(|| bad(format!("names no rule '{item}'")))?;
+        if names.contains(&name) {
+            return Err(bad(format!("names '{item}' twice")));
+        }
+        names.push(name);
+    }
+    Ok(names)
+}
+
 fn boolean(key: &str, value: &str) -> Result<bool, ConfigError> {
     match value {
         "True" | "true" => Ok(true),
@@ -404,7 +445,8 @@ fn divisions(value: &str) -> Result<[u64; POWER2_INTERVALS], String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::{SegmentGrowth, SplitPolicy};
+    use crate::core::{PoolKind, SegmentGrowth, SplitPolicy};
+    use crate::pool::policy::Handles;
 
     fn err(text: &str) -> String {
         Config::parse(text).unwrap_err().0
@@ -442,8 +484,9 @@ mod tests {
         let parse = |s: &str| Config::parse(&format!("strategy:{s}")).unwrap();
         assert_eq!(parse("default"), Config::default());
         assert_eq!(parse("pytorch").rules, Rules::pytorch());
-        let pager = Paging { page: [2 * MIB; 2], mode: PagingMode::Pager };
+        let pager = Paging::pager(2 * MIB);
         assert_eq!(parse("default").paging, Some(pager));
+        assert_eq!(parse("default").oom_ladder, LEAST_MAPPING_FIRST);
         // The default's small blocks: at most an eighth of a page.
         assert_eq!(parse("default").rules, Rules { small_max: 256 << 10, ..Rules::pytorch() });
         assert_eq!(Config::parse("page_size_mb:4").unwrap().rules.small_max, 512 << 10);
@@ -456,8 +499,17 @@ mod tests {
         let direct = parse("direct");
         assert_eq!((direct.rules.growth, direct.release_threshold), (SegmentGrowth::Exact, Some(0.0)));
         // PyTorch's handles: 2 MiB in the small pool, 20 MiB in the large one.
-        assert_eq!(parse("expandable").paging, Some(Paging { page: [2 * MIB, 20 * MIB], mode: PagingMode::Handles }));
-        assert_eq!(parse("pages").paging, Some(Paging { mode: PagingMode::Pages, ..pager }));
+        let handles = parse("expandable").paging.unwrap();
+        assert_eq!((handles.page, handles.map_ahead_of(PoolKind::Large)), ([2 * MIB, 20 * MIB], 20 * MIB));
+        assert_eq!((handles.handles, handles.tiny_pieces, handles.size_run), (Handles::PerPage, false, None));
+        assert_eq!(parse("expandable").oom_ladder, PYTORCH_LADDER);
+        let pages = parse("pages").paging.unwrap();
+        assert_eq!(
+            (pages.page, pages.map_ahead_of(PoolKind::Small), pages.handles),
+            ([2 * MIB; 2], 2 * MIB, Handles::PerPage)
+        );
+        assert!(!pages.give_back_on_refusal && pages.kept_holes.is_none() && pages.tiny_per_page.is_none());
+        assert_eq!(parse("pages").oom_ladder, PAGES_LADDER);
         assert_eq!(parse("pages").rules, Rules::pytorch());
         let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
         assert_eq!((pages.strategy, pages.paging.unwrap().page), (Strategy::Expandable, [16 * MIB; 2]));
@@ -594,7 +646,32 @@ mod tests {
         assert_eq!(get("expandable_segments"), "False");
         assert!(get("roundup_power2_divisions").starts_with("[1:0,2:4,4:4"));
         assert_eq!((get("shareable_handle"), get("peer_access")), ("none".into(), "[]".into()));
-        assert_eq!(entries.len(), 16);
+        assert_eq!(get("rules_off"), "[]");
+        assert_eq!(entries.len(), 17);
+    }
+
+    #[test]
+    fn rules_off_turns_the_defaults_rules_off_one_by_one() {
+        for (rule, _) in policy::RULES {
+            let c = Config::parse(&format!("rules_off:[{rule}]")).unwrap();
+            assert_ne!((c.paging, c.oom_ladder), (Config::default().paging, Config::default().oom_ladder), "{rule}");
+            assert_eq!(c.rules_off, [rule]);
+        }
+        let c = Config::parse("rules_off:[size_run,kept_holes,least_mapping_first,tiny_range]").unwrap();
+        let pager = c.paging.unwrap();
+        assert!(pager.size_run.is_none() && pager.kept_holes.is_none() && pager.tiny_pieces);
+        assert_eq!((c.oom_ladder, c.rules.small_max), (PAGES_LADDER, MIB));
+        assert_eq!(Config::parse("rules_off:[]").unwrap(), Config::default());
+        for (bad, why) in [
+            ("rules_off:size_run", "needs a list of rules"),
+            ("rules_off:[sizerun]", "names no rule 'sizerun'"),
+            ("rules_off:[size_run,size_run]", "names 'size_run' twice"),
+            ("strategy:pages,rules_off:[size_run]", "'size_run' is not a rule of strategy 'pages'"),
+            ("strategy:pytorch,rules_off:[least_mapping_first]", "is not a rule of strategy 'pytorch'"),
+        ] {
+            let message = err(bad);
+            assert!(message.contains("rules_off") && message.contains(why), "{bad}: {message}");
+        }
     }
 
     #[test]

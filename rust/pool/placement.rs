@@ -1,0 +1,147 @@
+//! Where a request goes: the one decision every allocation path asks for.
+//!
+//! [`Pool::place`] answers "which range, which block" for `rounded` bytes on a stream, and the
+//! cached path, foreign-stream reuse, growth and the out-of-memory ladder all call it; they
+//! differ only in the [`Search`] they pass. It decides, in this order:
+//! 1. the pool kind: the rules' (small or large), unless the policy sends the request to the
+//!    small range: a long run of one size near the limit (`size_run.rs`), or a mid-size request
+//!    whose best fit is a hole kept for a recent large size (`recent_sizes.rs`);
+//! 2. the block: the best fit in that kind among the blocks the search looks at;
+//! 3. for a tiny request whose block would need a new page of the small range, a free piece of
+//!    the large range on pages its live neighbours keep mapped, if one holds it (`tiny_pieces`).
+//!
+//! Nothing here changes the pool: taking the block, mapping its pages or reserving new memory is
+//! the caller's.
+
+use super::{Pool, StreamId};
+use crate::core::{PoolKind, NIL, SHARED};
+use crate::device::Device;
+
+/// Which free blocks a placement looks at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Search {
+    /// The stream's own, else shared ones: blocks it may use at once.
+    Own,
+    /// Other streams' (the request then waits for the owner): `cross_stream_reuse:wait`.
+    Foreign,
+    /// Own or shared, past the cap `max_split_size` puts on cached blocks, where they lie partly
+    /// on unmapped pages: a range's free address space, mapped before a new range is reserved
+    /// (PyTorch maps a request's pages from its range's unmapped remainder, whatever its size).
+    Uncapped,
+    /// Own or shared, whichever front needs the fewest new pages: the out-of-memory ladder's
+    /// step for paged strategies. It keeps the rules' kind: once every free page went back, the
+    /// redirects' reasons (holes kept whole, runs packed) weigh less than a page not mapped.
+    LeastMapping,
+}
+
+/// What [`Pool::place`] decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Placement {
+    /// Free block `id`; `wait_for` names the stream that owns it when the request must wait for
+    /// that stream first, and `mapped` says whether its pages for the request are all mapped
+    /// (always, for plain segments).
+    Block { id: u32, wait_for: Option<StreamId>, mapped: bool },
+    /// No cached block: new memory of this kind (a segment, or a new range).
+    New(PoolKind),
+}
+
+impl<D: Device> Pool<D> {
+    /// Where `rounded` bytes on `stream` go, looking at the blocks `search` names.
+    #[inline(always)]
+    pub(super) fn place(&self, rounded: u64, stream: StreamId, search: Search) -> Placement {
+        let rules_kind = self.heap.rules().kind(rounded);
+        let (kind, found) = if search == Search::LeastMapping {
+            (rules_kind, self.search(rules_kind, rounded, stream, search))
+        } else if self.runs_to_small(rounded) {
+            (PoolKind::Small, self.search(PoolKind::Small, rounded, stream, search))
+        } else {
+            match self.search(rules_kind, rounded, stream, search) {
+                Some((id, _)) if self.turns_away(rounded, id) => {
+                    (PoolKind::Small, self.search(PoolKind::Small, rounded, stream, search))
+                }
+                found => (rules_kind, found),
+            }
+        };
+        let mapped = found.is_some_and(|(id, _)| self.is_mapped_for(id, rounded));
+        if kind == PoolKind::Small && !mapped {
+            if let Some(piece) = self.tiny_piece(rounded, stream) {
+                return Placement::Block { id: piece, wait_for: None, mapped: true };
+            }
+        }
+        match found {
+            Some((id, owner)) => {
+                Placement::Block { id, wait_for: (search == Search::Foreign).then_some(owner), mapped }
+            }
+            None => Placement::New(kind),
+        }
+    }
+
+    /// The best-fitting free block of `kind` for `rounded` bytes among those `search` names,
+    /// with its owner.
+    #[inline(always)]
+    fn search(&self, kind: PoolKind, rounded: u64, stream: StreamId, search: Search) -> Option<(u32, StreamId)> {
+        let heap = &self.heap;
+        match search {
+            Search::Own => heap
+                .find_in(kind, rounded, stream)
+                .map(|id| (id, stream))
+                .or_else(|| heap.find_in(kind, rounded, SHARED).map(|id| (id, SHARED))),
+            Search::Foreign => heap.find_foreign_in(kind, rounded, stream),
+            Search::Uncapped => {
+                let (pages, cap) = (self.expandable.as_ref()?, heap.rules().max_block_for(rounded));
+                [stream, SHARED].into_iter().find_map(|owner| {
+                    let id = match heap.find_uncapped_in(kind, rounded, owner)? {
+                        id if pages.may_grow_into(heap, id, cap) => id,
+                        _ => pages.growth_fit(heap, rounded, cap, kind, owner)?,
+                    };
+                    Some((id, owner))
+                })
+            }
+            Search::LeastMapping => {
+                let pages = self.expandable.as_ref()?;
+                let id = pages.least_mapping_fit(heap, rounded, kind, stream)?;
+                Some((id, heap.block_at(id).stream))
+            }
+        }
+    }
+
+    /// Whether block `id`'s pages under its first `rounded` bytes are mapped (plain segments:
+    /// always).
+    #[inline(always)]
+    fn is_mapped_for(&self, id: u32, rounded: u64) -> bool {
+        self.expandable.as_ref().is_none_or(|pages| {
+            let block = self.heap.block_at(id);
+            pages.is_backed(self.heap.segment_of(id), block.address, rounded)
+        })
+    }
+
+    /// Whether a request of `rounded` bytes continues a long run of its size while the pool is
+    /// short of room (`size_run.rs`).
+    #[inline(always)]
+    pub(super) fn runs_to_small(&self, rounded: u64) -> bool {
+        let Some(run) = self.run.as_ref() else { return false };
+        run.continues(rounded) && {
+            let Some(most) = self.growth.ceiling else { return false };
+            let reserved = self.reserved();
+            (most.saturating_sub(reserved) as f64) < run.rule.tight_share * most as f64
+        }
+    }
+
+    /// Whether free block `id`, the best fit for a mid-size request of `rounded` bytes, is a hole
+    /// of a large range with a block after it (not the range's free end) that a recent,
+    /// recurring large request of exactly its size would reuse (`recent_sizes.rs`).
+    #[inline(always)]
+    pub(super) fn turns_away(&self, rounded: u64, id: u32) -> bool {
+        let Some(recent) = self.recent.as_ref().filter(|r| r.is_mid(rounded)) else { return false };
+        let b = self.heap.block_at(id);
+        b.expandable && b.next != NIL && recent.keeps(b.size)
+    }
+
+    /// A free piece of the large range on mapped pages for a tiny request (`tiny_pieces`).
+    #[cold]
+    fn tiny_piece(&self, rounded: u64, stream: StreamId) -> Option<u32> {
+        let pages = self.expandable.as_ref()?;
+        let wanted = self.config.paging?.tiny_pieces && rounded <= self.heap.rules().small_max;
+        wanted.then(|| pages.mapped_piece(&self.heap, rounded, stream)).flatten()
+    }
+}
