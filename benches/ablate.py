@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,16 +32,7 @@ from gpupool.trace import load, replay
 
 MiB = 1 << 20
 # The rules `rules_off` turns off, as rust/pool/policy.rs lists them.
-RULES = (
-    "map_ahead",
-    "handle_sizing",
-    "give_back_on_refusal",
-    "tiny_range",
-    "tiny_pieces",
-    "size_run",
-    "kept_holes",
-    "least_mapping_first",
-)
+RULES = ("map_ahead", "handle_sizing", "give_back_on_refusal", "size_run")
 # A rule stays if it gains at least this many points of mean utilization on the confirm half...
 MIN_GAIN = 0.1
 # ...or if this test fails without it (the failure mode it prevents).
@@ -103,14 +93,14 @@ def verdict(rule: str, gain: float) -> str:
     return f"goes: {gain:+.2f} points"
 
 
-def table(halves: dict[str, list[str]], results: dict[tuple[str | None, str], Row]) -> str:
+def table(rules: Sequence[str], halves: dict[str, list[str]], results: dict[tuple[str | None, str], Row]) -> str:
     header = ["rules"]
     for half in halves:
         header += [f"{half}: mean", f"{half}: worst", f"{half}: peak", f"{half}: calls"]
     header.append("verdict")
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (4 * len(halves)) + "---|"]
     base = {half: summary([results[(None, p)] for p in paths]) for half, paths in halves.items()}
-    for rule in (None, *RULES):
+    for rule in (None, *rules):
         cells = ["all" if rule is None else f"without `{rule}`"]
         for half, paths in halves.items():
             mean, worst, peak, calls = summary([results[(rule, p)] for p in paths])
@@ -136,12 +126,59 @@ def table(halves: dict[str, list[str]], results: dict[tuple[str | None, str], Ro
     return "\n".join(lines)
 
 
+PEERS = ("pages", "expandable", "pytorch")
+
+
+def goals(rows: dict[str, Row], peers: dict[str, dict[str, Row]]) -> tuple[int, int, int]:
+    """On how many programs each goal holds: uncapped peak at most the leanest peer's,
+    utilization at least `expandable`'s and `pytorch`'s, driver calls at most `expandable`'s."""
+    peak = util = calls = 0
+    for program, r in rows.items():
+        p = {name: peers[name][program] for name in PEERS}
+        peak += r.peak_reserved <= min(x.peak_reserved for x in p.values())
+        util += r.utilization >= max(p["expandable"].utilization, p["pytorch"].utilization)
+        calls += r.driver_calls <= p["expandable"].driver_calls
+    return peak, util, calls
+
+
+def goals_table(
+    rules: Sequence[str],
+    programs: list[str],
+    results: dict[tuple[str | None, str], Row],
+    peers: dict[str, dict[str, Row]],
+) -> str:
+    """Per configuration, on how many of the programs (both halves) each goal holds."""
+    pages_mean = _mean(peers["pages"].values())
+    lines = [
+        "| rules | peak <= leanest peer | utilization >= expandable, pytorch | calls <= expandable "
+        f"| mean (pages': {pages_mean:.2%}) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for rule in (None, *rules):
+        rows = {os.path.basename(p): results[(rule, p)] for p in programs}
+        held = goals(rows, peers)
+        name = "all" if rule is None else f"without `{rule}`"
+        cells = [name, *(f"{n} of {len(rows)}" for n in held), f"{_mean(rows.values()):.2%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mean(rows) -> float:
+    rows = list(rows)
+    return sum(r.utilization for r in rows) / len(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--half", choices=("tune", "confirm", "both"), default="both")
     parser.add_argument("--out", help="keep the synthetic programs in this folder (default: a temporary one)")
     parser.add_argument("--list", action="store_true", help="print the two halves and stop")
+    parser.add_argument("--rules", help="comma-separated rules to turn off one at a time (default: all of RULES)")
+    parser.add_argument(
+        "--goals", action="store_true", help="also replay the peers and count the rows where each goal holds"
+    )
     args = parser.parse_args(argv)
+    rules = tuple(args.rules.split(",")) if args.rules else RULES
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.out or scratch
         os.makedirs(folder, exist_ok=True)
@@ -153,13 +190,23 @@ def main(argv: Sequence[str] | None = None) -> None:
             for half, paths in halves.items():
                 print(f"{half}: " + ", ".join(os.path.basename(p).split(".")[0] for p in paths))
             return
-        jobs = [(rule, p) for rule in (None, *RULES) for paths in halves.values() for p in paths]
+        jobs = [(rule, p) for rule in (None, *rules) for paths in halves.values() for p in paths]
         with ThreadPoolExecutor(max_workers=2) as pool:
             rows = pool.map(lambda job: measure(job[1], config_of(job[0])), jobs)
             results = dict(zip(jobs, rows, strict=True))
-        print(table(halves, results))
+        print(table(rules, halves, results))
         print()
-        print("Peak and calls: summed over the half; for a rule, the change against all rules.", file=sys.stdout)
+        print("Peak and calls: summed over the half; for a rule, the change against all rules.")
+        if args.goals:
+            programs = [p for paths in halves.values() for p in paths]
+            peer_jobs = [(peer, p) for peer in PEERS for p in programs]
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                rows = pool.map(lambda job: measure(job[1], f"strategy:{job[0]}"), peer_jobs)
+                peers: dict[str, dict[str, Row]] = {peer: {} for peer in PEERS}
+                for (peer, p), row in zip(peer_jobs, rows, strict=True):
+                    peers[peer][os.path.basename(p)] = row
+            print()
+            print(goals_table(rules, programs, results, peers))
 
 
 if __name__ == "__main__":

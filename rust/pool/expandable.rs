@@ -270,20 +270,6 @@ impl Expandable {
         Ok(())
     }
 
-    /// A free piece of a large range, smaller than a page and on mapped pages, that holds
-    /// `rounded` bytes for `stream`: the best fit among the stream's own free blocks, else
-    /// among shared ones, if it is such a piece. Pieces like that lie between live blocks, on
-    /// the pages they share, and a small block placed there costs no page.
-    pub fn mapped_piece(&self, heap: &Heap, rounded: u64, stream: u32) -> Option<u32> {
-        [stream, SHARED].into_iter().find_map(|owner| {
-            let id = heap.find_in(PoolKind::Large, rounded, owner)?;
-            let b = heap.block_at(id);
-            let range = self.ranges.iter().find(|r| r.segment == b.segment)?;
-            let piece = b.size < range.page_size && range.pages.all_mapped(range.pages_under(b.address, rounded));
-            piece.then_some(id)
-        })
-    }
-
     /// Maps unmapped `run` of `range` in one device call, backed by handles as `handles` says.
     fn map_run<D: Device>(
         device: &mut D,

@@ -30,7 +30,6 @@ mod placement;
 #[cfg(test)]
 mod placement_tests;
 pub mod policy;
-mod recent_sizes;
 mod release;
 mod seed;
 mod size_run;
@@ -52,7 +51,6 @@ use deferred::Deferred;
 use expandable::{Backing, Expandable};
 use growth::Growth;
 use placement::{Placement, Search};
-use recent_sizes::RecentSizes;
 use size_run::SizeRun;
 
 pub use crate::device::DEFAULT_STREAM;
@@ -88,8 +86,6 @@ pub struct Pool<D: Device> {
     /// The run of same-size allocations so far, when the policy sends long runs' blocks of at
     /// most a page to the small range.
     run: Option<SizeRun>,
-    /// The last large sizes asked for, when the policy keeps holes of those sizes whole.
-    recent: Option<RecentSizes>,
 }
 
 impl<D: Device> Pool<D> {
@@ -99,20 +95,11 @@ impl<D: Device> Pool<D> {
             heap.keep_shared_apart();
         }
         let config = Self::fit_pages_to(&mut device, config);
-        if config.rules.small_max != heap.rules().small_max {
-            heap = Heap::new(config.rules.clone());
-            if config.cross_stream_reuse == CrossStreamReuse::Never {
-                heap.keep_shared_apart();
-            }
-        }
         let expandable = config.paging.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
         let small_max = config.rules.small_max;
         let run = config.paging.and_then(|paging| {
             paging.size_run.map(|rule| SizeRun::new(rule, small_max, paging.page_of(PoolKind::Small)))
-        });
-        let recent = config.paging.and_then(|paging| {
-            paging.kept_holes.map(|rule| RecentSizes::new(rule, small_max, paging.page_of(PoolKind::Large)))
         });
         let mut pool = Pool {
             device,
@@ -126,7 +113,6 @@ impl<D: Device> Pool<D> {
             unreleased: Vec::new(),
             held_for_capture: Vec::new(),
             run,
-            recent,
             captures_graphs: false,
         };
         pool.captures_graphs = pool.device.captures_graphs();
@@ -137,8 +123,8 @@ impl<D: Device> Pool<D> {
     /// Paged strategies: pages are whole multiples of what the device maps in (CUDA's
     /// granularity, asked of the driver: a smaller `page_size_mb` would fail every map), and the
     /// device makes them as `shareable_handle` / `peer_access` say. The effective page size is
-    /// what `config()` reports, and the small range's tiny blocks are a share of it. A device
-    /// that cannot map at all is left to fail the first map, with the driver's reason.
+    /// what `config()` reports. A device that cannot map at all is left to fail the first map,
+    /// with the driver's reason.
     fn fit_pages_to(device: &mut D, mut config: Config) -> Config {
         if let Some(paging) = config.paging.as_mut() {
             device.set_mapping_options(&config.mapping);
@@ -146,9 +132,6 @@ impl<D: Device> Pool<D> {
                 for page in &mut paging.page {
                     *page = page.next_multiple_of(granularity);
                 }
-            }
-            if let Some(per_page) = paging.tiny_per_page {
-                config.rules.small_max = paging.page_of(PoolKind::Small) / per_page;
             }
         }
         config
@@ -240,14 +223,11 @@ impl<D: Device> Pool<D> {
         self.allocation(handle, address, size, stream)
     }
 
-    /// Feeds the size trackers of the placement policy.
+    /// Feeds the run of sizes the placement policy tracks, if it does.
     #[inline(always)]
     fn note_size(&mut self, rounded: u64) {
         if let Some(run) = self.run.as_mut() {
             run.note(rounded);
-        }
-        if let Some(recent) = self.recent.as_mut() {
-            recent.note(rounded);
         }
     }
 

@@ -2,19 +2,16 @@
 //!
 //! [`Pool::place`] answers "which range, which block" for `rounded` bytes on a stream, and the
 //! cached path, foreign-stream reuse, growth and the out-of-memory ladder all call it; they
-//! differ only in the [`Search`] they pass. It decides, in this order:
-//! 1. the pool kind: the rules' (small or large), unless the policy sends the request to the
-//!    small range: a long run of one size near the limit (`size_run.rs`), or a mid-size request
-//!    whose best fit is a hole kept for a recent large size (`recent_sizes.rs`);
-//! 2. the block: the best fit in that kind among the blocks the search looks at;
-//! 3. for a tiny request whose block would need a new page of the small range, a free piece of
-//!    the large range on pages its live neighbours keep mapped, if one holds it (`tiny_pieces`).
+//! differ only in the [`Search`] they pass. It decides:
+//! 1. the pool kind: the rules' (small or large), unless the policy sends a long run of one
+//!    size to the small range near the device's limit (`size_run.rs`);
+//! 2. the block: the best fit in that kind among the blocks the search looks at, or new memory.
 //!
 //! Nothing here changes the pool: taking the block, mapping its pages or reserving new memory is
 //! the caller's.
 
 use super::{Pool, StreamId};
-use crate::core::{PoolKind, NIL, SHARED};
+use crate::core::{PoolKind, SHARED};
 use crate::device::Device;
 
 /// Which free blocks a placement looks at.
@@ -29,8 +26,8 @@ pub(super) enum Search {
     /// (PyTorch maps a request's pages from its range's unmapped remainder, whatever its size).
     Uncapped,
     /// Own or shared, whichever front needs the fewest new pages: the out-of-memory ladder's
-    /// step for paged strategies. It keeps the rules' kind: once every free page went back, the
-    /// redirects' reasons (holes kept whole, runs packed) weigh less than a page not mapped.
+    /// step for paged strategies. It keeps the rules' kind: once every free page went back,
+    /// packing a run weighs less than a page not mapped.
     LeastMapping,
 }
 
@@ -50,28 +47,17 @@ impl<D: Device> Pool<D> {
     #[inline(always)]
     pub(super) fn place(&self, rounded: u64, stream: StreamId, search: Search) -> Placement {
         let rules_kind = self.heap.rules().kind(rounded);
-        let (kind, found) = if search == Search::LeastMapping {
-            (rules_kind, self.search(rules_kind, rounded, stream, search))
-        } else if self.runs_to_small(rounded) {
-            (PoolKind::Small, self.search(PoolKind::Small, rounded, stream, search))
-        } else {
-            match self.search(rules_kind, rounded, stream, search) {
-                Some((id, _)) if self.turns_away(rounded, id) => {
-                    (PoolKind::Small, self.search(PoolKind::Small, rounded, stream, search))
-                }
-                found => (rules_kind, found),
-            }
+        let kind = match search {
+            Search::LeastMapping => rules_kind,
+            _ if self.runs_to_small(rounded) => PoolKind::Small,
+            _ => rules_kind,
         };
-        let mapped = found.is_some_and(|(id, _)| self.is_mapped_for(id, rounded));
-        if kind == PoolKind::Small && !mapped {
-            if let Some(piece) = self.tiny_piece(rounded, stream) {
-                return Placement::Block { id: piece, wait_for: None, mapped: true };
-            }
-        }
-        match found {
-            Some((id, owner)) => {
-                Placement::Block { id, wait_for: (search == Search::Foreign).then_some(owner), mapped }
-            }
+        match self.search(kind, rounded, stream, search) {
+            Some((id, owner)) => Placement::Block {
+                id,
+                wait_for: (search == Search::Foreign).then_some(owner),
+                mapped: self.is_mapped_for(id, rounded),
+            },
             None => Placement::New(kind),
         }
     }
@@ -125,23 +111,5 @@ impl<D: Device> Pool<D> {
             let reserved = self.reserved();
             (most.saturating_sub(reserved) as f64) < run.rule.tight_share * most as f64
         }
-    }
-
-    /// Whether free block `id`, the best fit for a mid-size request of `rounded` bytes, is a hole
-    /// of a large range with a block after it (not the range's free end) that a recent,
-    /// recurring large request of exactly its size would reuse (`recent_sizes.rs`).
-    #[inline(always)]
-    pub(super) fn turns_away(&self, rounded: u64, id: u32) -> bool {
-        let Some(recent) = self.recent.as_ref().filter(|r| r.is_mid(rounded)) else { return false };
-        let b = self.heap.block_at(id);
-        b.expandable && b.next != NIL && recent.keeps(b.size)
-    }
-
-    /// A free piece of the large range on mapped pages for a tiny request (`tiny_pieces`).
-    #[cold]
-    fn tiny_piece(&self, rounded: u64, stream: StreamId) -> Option<u32> {
-        let pages = self.expandable.as_ref()?;
-        let wanted = self.config.paging?.tiny_pieces && rounded <= self.heap.rules().small_max;
-        wanted.then(|| pages.mapped_piece(&self.heap, rounded, stream)).flatten()
     }
 }

@@ -1,5 +1,5 @@
-//! The placement's redirects (kept holes, runs) under streams, cross-stream modes,
-//! `max_split_size` and pressure: every search honours them and every invariant holds.
+//! The placement's run redirect under streams, cross-stream modes, `max_split_size` and
+//! pressure: every search honours it and every invariant holds.
 
 use super::placement::{Placement, Search};
 use super::{BlockState, Config, Handle, Pool, PoolError, PoolKind, StreamId, DEFAULT_STREAM};
@@ -40,17 +40,13 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
     prop::collection::vec(op, 1..300)
 }
 
-/// For every mid size and stream: no placement, of the stream's own blocks or of another
-/// stream's, is a kept hole, and a long run near the limit is never placed outside the small
-/// range.
+/// For every mid size and stream: a long run near the limit is never placed outside the small
+/// range, whether among the stream's own blocks or another stream's.
 fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String> {
     for &rounded in &[300u64 << 10, 512 << 10, 768 << 10, MIB] {
         for &s in streams {
             for search in [Search::Own, Search::Foreign] {
                 let Placement::Block { id, .. } = pool.place(rounded, s, search) else { continue };
-                if pool.turns_away(rounded, id) {
-                    return Err(format!("{search:?} placement is a kept hole for {rounded} on {s}"));
-                }
                 if pool.runs_to_small(rounded) && pool.heap.block_at(id).kind != PoolKind::Small {
                     return Err(format!("{search:?} placement leaves the small range a run of {rounded} goes to"));
                 }
@@ -104,7 +100,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
 
     #[test]
-    fn kept_holes_keep_invariants(ops in ops(), mode in 0usize..3, split in 0usize..2, cap in 0usize..2) {
+    fn placements_keep_invariants(ops in ops(), mode in 0usize..3, split in 0usize..2, cap in 0usize..2) {
         let mode = ["never", "completed", "wait"][mode];
         let split = ["", ",max_split_size_mb:64"][split];
         let capacity = [1u64 << 34, 200 * MIB][cap];
@@ -112,41 +108,13 @@ proptest! {
     }
 }
 
-/// The test in tests/expandable.rs, on a side stream: the stream's own kept hole is kept too.
-#[test]
-fn a_side_streams_kept_hole() {
-    let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:default").unwrap());
-    let s = pool.create_stream().unwrap();
-    let blocks: Vec<_> = (0..3).map(|_| pool.alloc_on(24 * MIB, s).unwrap()).collect();
-    pool.free(blocks[1].handle).unwrap();
-    let mid = pool.alloc_on(768 << 10, s).unwrap();
-    assert!(!(blocks[1].address..blocks[2].address).contains(&mid.address));
-    assert_eq!(pool.alloc_on(24 * MIB, s).unwrap().address, blocks[1].address);
-    pool.check_invariants().unwrap();
-}
-
-/// Other strategies, and the default without the rules, track no sizes.
+/// Other strategies, and the default without the rule, track no run.
 #[test]
 fn other_strategies_keep_nothing() {
-    for config in ["strategy:pages", "strategy:expandable", "strategy:pytorch", "rules_off:[size_run,kept_holes]"] {
+    for config in ["strategy:pages", "strategy:expandable", "strategy:pytorch", "rules_off:[size_run]"] {
         let pool = Pool::new(Sim::new(1 << 30), Config::parse(config).unwrap());
-        assert!(pool.recent.is_none() && pool.run.is_none(), "{config}");
+        assert!(pool.run.is_none(), "{config}");
     }
-}
-
-/// Under `cross_stream_reuse:wait`, a mid-size request does not wait for another stream to take
-/// its kept hole either: it goes to the small range, as it would once that hole is shared.
-#[test]
-fn another_streams_kept_hole_is_not_waited_for() {
-    let mut pool = Pool::new(Sim::new(1 << 30), Config::parse("strategy:default,cross_stream_reuse:wait").unwrap());
-    let (a, b) = (pool.create_stream().unwrap(), pool.create_stream().unwrap());
-    let blocks: Vec<_> = (0..4).map(|_| pool.alloc_on(24 * MIB, a).unwrap()).collect();
-    pool.free(blocks[1].handle).unwrap();
-    pool.free(blocks[3].handle).unwrap();
-    pool.hold_stream(a).unwrap();
-    let mid = pool.alloc_on(768 << 10, b).unwrap();
-    assert!(!(blocks[1].address..blocks[2].address).contains(&mid.address), "the kept hole was taken");
-    pool.check_invariants().unwrap();
 }
 
 #[test]
@@ -154,7 +122,7 @@ fn another_streams_hole_does_not_take_a_run_meant_for_the_small_range() {
     // Nearly full: 60 of 64 MiB, so a long run of one size goes to the small range.
     let mut pool = Pool::new(Sim::new(64 * MIB), Config::parse("strategy:default,cross_stream_reuse:wait").unwrap());
     let (a, b) = (pool.create_stream().unwrap(), pool.create_stream().unwrap());
-    // Sizes asked for once each, so the hole is not a kept one (see the test above).
+    // Three holes of different sizes.
     let held: Vec<_> = [16, 12, 20].iter().map(|&m| pool.alloc_on(m * MIB, a).unwrap()).collect();
     let _rest = pool.alloc_on(8 * MIB, a).unwrap();
     let run: Vec<_> = (0..8).map(|_| pool.alloc_on(512 << 10, b).unwrap()).collect();

@@ -22,16 +22,8 @@ pub struct Paging {
     /// When the device refuses a map: give back free pages elsewhere that no queued work uses
     /// and map again, so the block keeps its place and no stream is waited for.
     pub give_back_on_refusal: bool,
-    /// The small range holds blocks of at most a page over this (`Rules::small_max`, set from
-    /// the page once it is rounded to the device's granularity); `None` keeps PyTorch's 1 MiB.
-    pub tiny_per_page: Option<u64>,
-    /// A small-range request takes a free piece of the large range on pages live neighbours
-    /// keep mapped, if one holds it, before the small range maps a page.
-    pub tiny_pieces: bool,
     /// Long runs of one size go to the small range near the device's limit (`size_run.rs`).
     pub size_run: Option<SizeRunRule>,
-    /// Holes kept for a recent large size turn mid-size requests away (`recent_sizes.rs`).
-    pub kept_holes: Option<KeptHolesRule>,
 }
 
 impl Paging {
@@ -71,10 +63,6 @@ pub const TIGHT_HANDLE_DIVISOR: u64 = 4096;
 /// large, 2 MiB small), so a growing job makes as few calls as PyTorch's segments would.
 pub const MAP_AHEAD: [u64; 2] = [2 << 20, 20 << 20];
 
-/// The default's small blocks are those a page holds at least this many of (256 KiB in 2 MiB):
-/// apart from the large blocks they pin few pages and split no hole a large request could reuse.
-pub const TINY_PER_PAGE: u64 = 8;
-
 /// See `size_run.rs`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SizeRunRule {
@@ -82,15 +70,6 @@ pub struct SizeRunRule {
     pub run_to_small: u32,
     /// Only while less than this share of what the pool may hold is unmapped.
     pub tight_share: f64,
-}
-
-/// See `recent_sizes.rs`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct KeptHolesRule {
-    /// Holes are kept from this many pages up.
-    pub keep_pages: u64,
-    /// How many requests of a size make its holes kept.
-    pub min_seen: u32,
 }
 
 /// One step of the out-of-memory ladder, run in order after the device refused a request until
@@ -111,24 +90,17 @@ pub enum OomStep {
 
 /// PyTorch's ladder, for plain segments and its expandable segments.
 pub const PYTORCH_LADDER: &[OomStep] = &[OomStep::ReleaseOversize, OomStep::ReleaseCached, OomStep::Place];
-/// `pages`: a block that does not fit by best fit goes where it needs the fewest new pages.
+/// `pages` and the default: a block that does not fit by best fit goes where it needs the
+/// fewest new pages.
 pub const PAGES_LADDER: &[OomStep] =
     &[OomStep::ReleaseOversize, OomStep::ReleaseCached, OomStep::Place, OomStep::PlaceLeastMapping];
-/// The default: fewest new pages first. Once every free handle is unmapped a best fit could
-/// spend pages that a hole's mapped edges save.
-pub const LEAST_MAPPING_FIRST: &[OomStep] =
-    &[OomStep::ReleaseOversize, OomStep::ReleaseCached, OomStep::PlaceLeastMapping, OomStep::Place];
 
 /// The default's rules that `rules_off` may turn off, each with what it says.
-pub const RULES: [(&str, &str); 8] = [
+pub const RULES: [(&str, &str); 4] = [
     ("map_ahead", "a map call reaches 20 MiB (small range: 2 MiB) into the free space after a block"),
     ("handle_sizing", "a map call's handles grow with the room left on the device (else one per page)"),
     ("give_back_on_refusal", "a refused map gives back free pages elsewhere and maps again"),
-    ("tiny_range", "the small range holds blocks of at most an eighth of a page (else PyTorch's 1 MiB)"),
-    ("tiny_pieces", "a tiny request takes a mapped piece of the large range before the small range maps"),
     ("size_run", "near the limit, long runs of one size go to the small range"),
-    ("kept_holes", "a mid-size request leaves a hole kept for a recent large size"),
-    ("least_mapping_first", "after an out-of-memory flush, fewest new pages before best fit"),
 ];
 
 impl Paging {
@@ -143,31 +115,17 @@ impl Paging {
                 tight_divisor: TIGHT_HANDLE_DIVISOR,
             },
             give_back_on_refusal: true,
-            tiny_per_page: Some(TINY_PER_PAGE),
-            tiny_pieces: true,
             size_run: Some(SizeRunRule {
                 run_to_small: super::size_run::RUN_TO_SMALL,
                 tight_share: super::size_run::TIGHT_SHARE,
-            }),
-            kept_holes: Some(KeptHolesRule {
-                keep_pages: super::recent_sizes::KEEP_PAGES,
-                min_seen: super::recent_sizes::MIN_SEEN,
             }),
         }
     }
 
     /// `pages`, the reference pager: the default's mapping without its handle sizing and
-    /// placement rules.
+    /// its rules under pressure.
     pub fn pages(page: u64) -> Paging {
-        Paging {
-            handles: Handles::PerPage,
-            give_back_on_refusal: false,
-            tiny_per_page: None,
-            tiny_pieces: false,
-            size_run: None,
-            kept_holes: None,
-            ..Paging::pager(page)
-        }
+        Paging { handles: Handles::PerPage, give_back_on_refusal: false, size_run: None, ..Paging::pager(page) }
     }
 
     /// PyTorch's expandable segments: `large` and `small` handles, exactly those a block needs.
@@ -175,16 +133,13 @@ impl Paging {
         Paging { page: [small, large], map_ahead: [0; 2], ..Paging::pages(small) }
     }
 
-    /// Turns rule `name` of [`RULES`] off (the ladder's is the caller's); whether it was on.
+    /// Turns rule `name` of [`RULES`] off; whether it was on.
     pub fn turn_off(&mut self, name: &str) -> bool {
         match name {
             "map_ahead" => std::mem::take(&mut self.map_ahead) != [0; 2],
             "handle_sizing" => std::mem::replace(&mut self.handles, Handles::PerPage) != Handles::PerPage,
             "give_back_on_refusal" => std::mem::take(&mut self.give_back_on_refusal),
-            "tiny_range" => self.tiny_per_page.take().is_some(),
-            "tiny_pieces" => std::mem::take(&mut self.tiny_pieces),
             "size_run" => self.size_run.take().is_some(),
-            "kept_holes" => self.kept_holes.take().is_some(),
             _ => false,
         }
     }

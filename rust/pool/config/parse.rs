@@ -1,7 +1,7 @@
 //! The grammar (PyTorch's: spaces ignored, items split at commas outside brackets) and what
 //! each key accepts; then the keys resolved into a [`Config`], in any order.
 
-use super::policy::{self, Paging, LEAST_MAPPING_FIRST, PAGES_LADDER, PYTORCH_LADDER};
+use super::policy::{self, Paging, PAGES_LADDER, PYTORCH_LADDER};
 use super::{Backend, Config, ConfigError, CrossStreamReuse, Strategy};
 use super::{DEFAULT_ARENA_MB, DEFAULT_PAGE_MB, MIB, MIN_SPLIT_LIMIT_MB};
 use crate::core::{Rules, POWER2_INTERVALS};
@@ -186,9 +186,7 @@ impl Keys {
         let default_initial = if strategy == Strategy::Arena { DEFAULT_ARENA_MB } else { 0 };
         let initial_mb = self.initial_pool_size_mb.unwrap_or(default_initial);
         let mut rules = match strategy {
-            Strategy::Pytorch | Strategy::Expandable | Strategy::Pages => Rules::pytorch(),
-            // Tiny blocks get a range of their own (`small_max` is set below, from the page).
-            Strategy::Default => Rules { small_pool: true, ..Rules::pytorch() },
+            Strategy::Pytorch | Strategy::Expandable | Strategy::Pages | Strategy::Default => Rules::pytorch(),
             Strategy::Bfc => Rules::bfc(),
             Strategy::Arena => Rules::arena((if initial_mb > 0 { initial_mb } else { DEFAULT_ARENA_MB }) * MIB),
             Strategy::Eager => Rules::eager(),
@@ -222,19 +220,12 @@ impl Keys {
             Strategy::Default => Some(Paging::pager(page(DEFAULT_PAGE_MB))),
             _ => None,
         };
-        let mut oom_ladder = match strategy {
-            Strategy::Default => LEAST_MAPPING_FIRST,
-            Strategy::Pages => PAGES_LADDER,
+        let oom_ladder = match strategy {
+            Strategy::Default | Strategy::Pages => PAGES_LADDER,
             _ => PYTORCH_LADDER,
         };
         for &rule in &self.rules_off {
-            let was_on = match paging.as_mut().filter(|_| strategy == Strategy::Default) {
-                Some(_) if rule == "least_mapping_first" => {
-                    std::mem::replace(&mut oom_ladder, PAGES_LADDER) != PAGES_LADDER
-                }
-                Some(pager) => pager.turn_off(rule),
-                None => false,
-            };
+            let was_on = paging.as_mut().filter(|_| strategy == Strategy::Default).is_some_and(|p| p.turn_off(rule));
             if !was_on {
                 return Err(ConfigError(format!(
                     "config key 'rules_off': '{rule}' is not a rule of strategy '{}' (the default's are: {})",
@@ -257,13 +248,6 @@ impl Keys {
                  strategy '{}', which allocates plain segments",
                 strategy.name()
             )));
-        }
-        // A page holds many blocks of at most an eighth of it: apart from the large blocks they
-        // pin few pages, and split no hole a large request could reuse. Larger blocks share the
-        // large range, where they fill the edge pages of large ones. The pool sets it again from
-        // the page it actually maps (rounded to the device's granularity).
-        if let Some(per_page) = paging.and_then(|p| p.tiny_per_page) {
-            rules.small_max = page(DEFAULT_PAGE_MB) / per_page;
         }
         Ok(Config {
             strategy,
@@ -486,10 +470,7 @@ mod tests {
         assert_eq!(parse("pytorch").rules, Rules::pytorch());
         let pager = Paging::pager(2 * MIB);
         assert_eq!(parse("default").paging, Some(pager));
-        assert_eq!(parse("default").oom_ladder, LEAST_MAPPING_FIRST);
-        // The default's small blocks: at most an eighth of a page.
-        assert_eq!(parse("default").rules, Rules { small_max: 256 << 10, ..Rules::pytorch() });
-        assert_eq!(Config::parse("page_size_mb:4").unwrap().rules.small_max, 512 << 10);
+        assert_eq!((parse("default").oom_ladder, parse("default").rules), (PAGES_LADDER, Rules::pytorch()));
         assert_eq!(parse("bfc").rules, Rules::bfc());
         let arena = parse("arena");
         assert_eq!((arena.initial_pool_size, arena.rules.growth_unit), (1024 * MIB, 1024 * MIB));
@@ -501,14 +482,14 @@ mod tests {
         // PyTorch's handles: 2 MiB in the small pool, 20 MiB in the large one.
         let handles = parse("expandable").paging.unwrap();
         assert_eq!((handles.page, handles.map_ahead_of(PoolKind::Large)), ([2 * MIB, 20 * MIB], 20 * MIB));
-        assert_eq!((handles.handles, handles.tiny_pieces, handles.size_run), (Handles::PerPage, false, None));
+        assert_eq!((handles.handles, handles.size_run), (Handles::PerPage, None));
         assert_eq!(parse("expandable").oom_ladder, PYTORCH_LADDER);
         let pages = parse("pages").paging.unwrap();
         assert_eq!(
             (pages.page, pages.map_ahead_of(PoolKind::Small), pages.handles),
             ([2 * MIB; 2], 2 * MIB, Handles::PerPage)
         );
-        assert!(!pages.give_back_on_refusal && pages.kept_holes.is_none() && pages.tiny_per_page.is_none());
+        assert!(!pages.give_back_on_refusal && pages.size_run.is_none());
         assert_eq!(parse("pages").oom_ladder, PAGES_LADDER);
         assert_eq!(parse("pages").rules, Rules::pytorch());
         let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
@@ -657,17 +638,16 @@ mod tests {
             assert_ne!((c.paging, c.oom_ladder), (Config::default().paging, Config::default().oom_ladder), "{rule}");
             assert_eq!(c.rules_off, [rule]);
         }
-        let c = Config::parse("rules_off:[size_run,kept_holes,least_mapping_first,tiny_range]").unwrap();
+        let c = Config::parse("rules_off:[size_run,give_back_on_refusal]").unwrap();
         let pager = c.paging.unwrap();
-        assert!(pager.size_run.is_none() && pager.kept_holes.is_none() && pager.tiny_pieces);
-        assert_eq!((c.oom_ladder, c.rules.small_max), (PAGES_LADDER, MIB));
+        assert!(pager.size_run.is_none() && !pager.give_back_on_refusal && pager.handles != Handles::PerPage);
         assert_eq!(Config::parse("rules_off:[]").unwrap(), Config::default());
         for (bad, why) in [
             ("rules_off:size_run", "needs a list of rules"),
             ("rules_off:[sizerun]", "names no rule 'sizerun'"),
             ("rules_off:[size_run,size_run]", "names 'size_run' twice"),
             ("strategy:pages,rules_off:[size_run]", "'size_run' is not a rule of strategy 'pages'"),
-            ("strategy:pytorch,rules_off:[least_mapping_first]", "is not a rule of strategy 'pytorch'"),
+            ("strategy:pytorch,rules_off:[map_ahead]", "is not a rule of strategy 'pytorch'"),
         ] {
             let message = err(bad);
             assert!(message.contains("rules_off") && message.contains(why), "{bad}: {message}");
