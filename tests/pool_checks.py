@@ -31,9 +31,6 @@ class SizeRules:
     page_size: int = 0
     # Rounded requests up to this size are small.
     small_max: int = MiB
-    # A small request may also go to a large segment (the default: a free piece on mapped pages),
-    # and a block of up to a page to a small one (the default: a long run of one size).
-    small_in_large: bool = False
 
 
 RULES = {
@@ -45,8 +42,7 @@ RULES = {
     # PyTorch's handles: 20 MiB in the large pool (pool.config's page_size_mb), 2 MiB small.
     "expandable": SizeRules(512, small_pool=True, fixed_segments=False, page_size=20 * MiB),
     "pages": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB),
-    # Blocks of at most an eighth of a page are small.
-    "default": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB, small_in_large=True),
+    "default": SizeRules(512, small_pool=True, fixed_segments=False, page_size=2 * MiB),
 }
 
 
@@ -55,8 +51,7 @@ def rules_of(pool) -> SizeRules:
     rules = RULES[config["strategy"]]
     if rules.page_size:
         page_size = config["page_size_mb"] * MiB
-        small_max = page_size // 8 if rules.small_in_large else MiB
-        return SizeRules(rules.granule, rules.small_pool, False, page_size, small_max, rules.small_in_large)
+        return SizeRules(rules.granule, rules.small_pool, False, page_size)
     return rules
 
 
@@ -247,11 +242,7 @@ def _check_live(rules: SizeRules, segments: list[dict], live: list) -> None:
         end = ptr.ptr + rounded(ptr.size, rules.granule)
         assert end <= segment["address"] + segment["total_size"]
         small = rules.small_pool and is_small(ptr.size, rules.small_max)
-        # The default's tiny blocks may take pieces of the large range, and a long run of
-        # same-size blocks of up to a page goes to its small range (size_run.rs).
-        either = rules.small_in_large and (small or rounded(ptr.size, rules.granule) <= rules.page_size)
-        allowed = ("small", "large") if either else ("small" if small else "large",)
-        assert segment["segment_type"] in allowed
+        assert segment["segment_type"] == ("small" if small else "large")
     by_address = sorted(live, key=lambda p: p.ptr)
     for first, second in zip(by_address, by_address[1:], strict=False):
         end = first.ptr + rounded(first.size, rules.granule)

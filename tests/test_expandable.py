@@ -79,7 +79,7 @@ def test_a_hole_costs_no_memory_once_unmapped():
 def test_snapshot_marks_paged_segments_and_the_default_is_paged():
     pool = gpupool.Pool("sim", capacity="1GiB")
     assert pool.config["strategy"] == "default"
-    pool.alloc(MiB)
+    pool.alloc(2 * MiB)
     [segment] = pool.snapshot()["segments"]
     assert segment["is_expandable"] is True
     assert pool.memory_reserved() == 20 * MiB, "one map call reaches 20 MiB ahead"

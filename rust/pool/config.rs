@@ -33,7 +33,7 @@
 //! - These three keys (`shareable_handle` other than `none`, `peer_access` other than `[]`) with a
 //!   strategy of plain segments are an error: they would do nothing there.
 //! - `cross_stream_reuse`: `never`, `completed` (default) or `wait`.
-//! - `rules_off`: `[size_run,kept_holes]`: rules of the `default` strategy turned off, to
+//! - `rules_off`: `[map_ahead,handle_sizing]`: rules of the `default` strategy turned off, to
 //!   measure what each buys ([`policy::RULES`] names them).
 //! - PyTorch's keys for its pinned host memory, CUDA graphs, address-space reserve and
 //!   `throw_on_cudamalloc_oom` are validated and accepted without effect on device memory

@@ -32,7 +32,6 @@ mod placement_tests;
 pub mod policy;
 mod release;
 mod seed;
-mod size_run;
 mod streams;
 
 pub use config::{
@@ -51,7 +50,6 @@ use deferred::Deferred;
 use expandable::{Backing, Expandable};
 use growth::Growth;
 use placement::{Placement, Search};
-use size_run::SizeRun;
 
 pub use crate::device::DEFAULT_STREAM;
 
@@ -83,9 +81,6 @@ pub struct Pool<D: Device> {
     held_for_capture: Vec<HeldBlock>,
     /// Whether the device's streams can be captured: only then must the hot path ask.
     captures_graphs: bool,
-    /// The run of same-size allocations so far, when the policy sends long runs' blocks of at
-    /// most a page to the small range.
-    run: Option<SizeRun>,
 }
 
 impl<D: Device> Pool<D> {
@@ -97,10 +92,6 @@ impl<D: Device> Pool<D> {
         let config = Self::fit_pages_to(&mut device, config);
         let expandable = config.paging.map(Expandable::new);
         let growth = Growth::new(&config, device.memory_info().total);
-        let small_max = config.rules.small_max;
-        let run = config.paging.and_then(|paging| {
-            paging.size_run.map(|rule| SizeRun::new(rule, small_max, paging.page_of(PoolKind::Small)))
-        });
         let mut pool = Pool {
             device,
             heap,
@@ -112,7 +103,6 @@ impl<D: Device> Pool<D> {
             held: 0,
             unreleased: Vec::new(),
             held_for_capture: Vec::new(),
-            run,
             captures_graphs: false,
         };
         pool.captures_graphs = pool.device.captures_graphs();
@@ -219,16 +209,7 @@ impl<D: Device> Pool<D> {
     #[inline(always)]
     fn take_cached(&mut self, id: u32, size: u64, rounded: u64, stream: StreamId) -> Allocation {
         let (handle, address) = self.heap.take_block(id, size, rounded, stream);
-        self.note_size(rounded);
         self.allocation(handle, address, size, stream)
-    }
-
-    /// Feeds the run of sizes the placement policy tracks, if it does.
-    #[inline(always)]
-    fn note_size(&mut self, rounded: u64) {
-        if let Some(run) = self.run.as_mut() {
-            run.note(rounded);
-        }
     }
 
     /// Orders `stream`'s later work after everything queued on `owner` so far.
@@ -258,9 +239,7 @@ impl<D: Device> Pool<D> {
         if let Some(Placement::Block { id, wait_for: None, mapped: true }) = placed {
             return Ok(self.take_cached(id, size, rounded, stream));
         }
-        let a = self.alloc_slow(size, rounded, stream, placed)?;
-        self.note_size(rounded);
-        Ok(a)
+        self.alloc_slow(size, rounded, stream, placed)
     }
 
     /// [`Pool::alloc_on`] when the cache could not serve the request without calling the device:

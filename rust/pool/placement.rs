@@ -2,10 +2,8 @@
 //!
 //! [`Pool::place`] answers "which range, which block" for `rounded` bytes on a stream, and the
 //! cached path, foreign-stream reuse, growth and the out-of-memory ladder all call it; they
-//! differ only in the [`Search`] they pass. It decides:
-//! 1. the pool kind: the rules' (small or large), unless the policy sends a long run of one
-//!    size to the small range near the device's limit (`size_run.rs`);
-//! 2. the block: the best fit in that kind among the blocks the search looks at, or new memory.
+//! differ only in the [`Search`] they pass: the pool kind the rules give the size (small or
+//! large), then the best fit in that kind among the blocks the search looks at, or new memory.
 //!
 //! Nothing here changes the pool: taking the block, mapping its pages or reserving new memory is
 //! the caller's.
@@ -26,8 +24,7 @@ pub(super) enum Search {
     /// (PyTorch maps a request's pages from its range's unmapped remainder, whatever its size).
     Uncapped,
     /// Own or shared, whichever front needs the fewest new pages: the out-of-memory ladder's
-    /// step for paged strategies. It keeps the rules' kind: once every free page went back,
-    /// packing a run weighs less than a page not mapped.
+    /// step for paged strategies.
     LeastMapping,
 }
 
@@ -46,12 +43,7 @@ impl<D: Device> Pool<D> {
     /// Where `rounded` bytes on `stream` go, looking at the blocks `search` names.
     #[inline(always)]
     pub(super) fn place(&self, rounded: u64, stream: StreamId, search: Search) -> Placement {
-        let rules_kind = self.heap.rules().kind(rounded);
-        let kind = match search {
-            Search::LeastMapping => rules_kind,
-            _ if self.runs_to_small(rounded) => PoolKind::Small,
-            _ => rules_kind,
-        };
+        let kind = self.heap.rules().kind(rounded);
         match self.search(kind, rounded, stream, search) {
             Some((id, owner)) => Placement::Block {
                 id,
@@ -99,17 +91,5 @@ impl<D: Device> Pool<D> {
             let block = self.heap.block_at(id);
             pages.is_backed(self.heap.segment_of(id), block.address, rounded)
         })
-    }
-
-    /// Whether a request of `rounded` bytes continues a long run of its size while the pool is
-    /// short of room (`size_run.rs`).
-    #[inline(always)]
-    pub(super) fn runs_to_small(&self, rounded: u64) -> bool {
-        let Some(run) = self.run.as_ref() else { return false };
-        run.continues(rounded) && {
-            let Some(most) = self.growth.ceiling else { return false };
-            let reserved = self.reserved();
-            (most.saturating_sub(reserved) as f64) < run.rule.tight_share * most as f64
-        }
     }
 }

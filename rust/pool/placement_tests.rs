@@ -1,8 +1,9 @@
-//! The placement's run redirect under streams, cross-stream modes, `max_split_size` and
-//! pressure: every search honours it and every invariant holds.
+//! Placements under streams, cross-stream modes, `max_split_size` and pressure, for the paged
+//! strategies: each names a block the stream may use, and every invariant holds.
 
 use super::placement::{Placement, Search};
 use super::{BlockState, Config, Handle, Pool, PoolError, PoolKind, StreamId, DEFAULT_STREAM};
+use crate::core::SHARED;
 use crate::device::Sim;
 use proptest::prelude::*;
 
@@ -40,15 +41,24 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
     prop::collection::vec(op, 1..300)
 }
 
-/// For every mid size and stream: a long run near the limit is never placed outside the small
-/// range, whether among the stream's own blocks or another stream's.
-fn check_consistent(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String> {
-    for &rounded in &[300u64 << 10, 512 << 10, 768 << 10, MIB] {
+/// For sizes of both pool kinds and every stream: a placement among the stream's own blocks
+/// names one it owns or a shared one, and one among other streams' names a block of another
+/// stream, which the request then waits for; a block is in the pool kind the rules give the size.
+fn check_placements(pool: &Pool<Sim>, streams: &[StreamId]) -> Result<(), String> {
+    for &rounded in &[512u64, 300 << 10, MIB, 3 * MIB, 24 * MIB] {
         for &s in streams {
             for search in [Search::Own, Search::Foreign] {
-                let Placement::Block { id, .. } = pool.place(rounded, s, search) else { continue };
-                if pool.runs_to_small(rounded) && pool.heap.block_at(id).kind != PoolKind::Small {
-                    return Err(format!("{search:?} placement leaves the small range a run of {rounded} goes to"));
+                let Placement::Block { id, wait_for, .. } = pool.place(rounded, s, search) else { continue };
+                let b = pool.heap.block_at(id);
+                let owner = b.stream;
+                let fits =
+                    b.state == BlockState::Free && b.size >= rounded && b.kind == pool.heap.rules().kind(rounded);
+                let allowed = match search {
+                    Search::Own => (owner == s || owner == SHARED) && wait_for.is_none(),
+                    _ => owner != s && owner != SHARED && wait_for == Some(owner),
+                };
+                if !fits || !allowed {
+                    return Err(format!("{search:?} for {rounded} on {s}: block of {} owned by {owner}", b.size));
                 }
             }
         }
@@ -91,47 +101,26 @@ fn run(config: &str, capacity: u64, ops: &[Op]) -> Result<(), TestCaseError> {
             _ => {}
         }
         pool.check_invariants().map_err(TestCaseError::fail)?;
-        check_consistent(&pool, &streams).map_err(TestCaseError::fail)?;
+        check_placements(&pool, &streams).map_err(TestCaseError::fail)?;
     }
     Ok(())
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     #[test]
-    fn placements_keep_invariants(ops in ops(), mode in 0usize..3, split in 0usize..2, cap in 0usize..2) {
+    fn placements_name_usable_blocks(
+        ops in ops(),
+        strategy in 0usize..2,
+        mode in 0usize..3,
+        split in 0usize..2,
+        cap in 0usize..2,
+    ) {
+        let strategy = ["default", "pages"][strategy];
         let mode = ["never", "completed", "wait"][mode];
         let split = ["", ",max_split_size_mb:64"][split];
         let capacity = [1u64 << 34, 200 * MIB][cap];
-        run(&format!("strategy:default,cross_stream_reuse:{mode}{split}"), capacity, &ops)?;
+        run(&format!("strategy:{strategy},cross_stream_reuse:{mode}{split}"), capacity, &ops)?;
     }
-}
-
-/// Other strategies, and the default without the rule, track no run.
-#[test]
-fn other_strategies_keep_nothing() {
-    for config in ["strategy:pages", "strategy:expandable", "strategy:pytorch", "rules_off:[size_run]"] {
-        let pool = Pool::new(Sim::new(1 << 30), Config::parse(config).unwrap());
-        assert!(pool.run.is_none(), "{config}");
-    }
-}
-
-#[test]
-fn another_streams_hole_does_not_take_a_run_meant_for_the_small_range() {
-    // Nearly full: 60 of 64 MiB, so a long run of one size goes to the small range.
-    let mut pool = Pool::new(Sim::new(64 * MIB), Config::parse("strategy:default,cross_stream_reuse:wait").unwrap());
-    let (a, b) = (pool.create_stream().unwrap(), pool.create_stream().unwrap());
-    // Three holes of different sizes.
-    let held: Vec<_> = [16, 12, 20].iter().map(|&m| pool.alloc_on(m * MIB, a).unwrap()).collect();
-    let _rest = pool.alloc_on(8 * MIB, a).unwrap();
-    let run: Vec<_> = (0..8).map(|_| pool.alloc_on(512 << 10, b).unwrap()).collect();
-    pool.free(held[1].handle).unwrap();
-    pool.hold_stream(a).unwrap();
-    let next = pool.alloc_on(512 << 10, b).unwrap();
-    assert!(!(held[1].address..held[2].address).contains(&next.address), "the run's block waited for stream a");
-    let within = |s: &&crate::core::SegmentInfo| (s.address..s.address + s.size).contains(&next.address);
-    assert_eq!(pool.heap.segments().iter().find(within).map(|s| s.kind), Some(PoolKind::Small));
-    assert!(run.iter().all(|r| r.address != next.address));
-    pool.check_invariants().unwrap();
 }

@@ -22,8 +22,6 @@ pub struct Paging {
     /// When the device refuses a map: give back free pages elsewhere that no queued work uses
     /// and map again, so the block keeps its place and no stream is waited for.
     pub give_back_on_refusal: bool,
-    /// Long runs of one size go to the small range near the device's limit (`size_run.rs`).
-    pub size_run: Option<SizeRunRule>,
 }
 
 impl Paging {
@@ -63,15 +61,6 @@ pub const TIGHT_HANDLE_DIVISOR: u64 = 4096;
 /// large, 2 MiB small), so a growing job makes as few calls as PyTorch's segments would.
 pub const MAP_AHEAD: [u64; 2] = [2 << 20, 20 << 20];
 
-/// See `size_run.rs`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SizeRunRule {
-    /// The allocations of one size in a row after which the rest of the run is redirected.
-    pub run_to_small: u32,
-    /// Only while less than this share of what the pool may hold is unmapped.
-    pub tight_share: f64,
-}
-
 /// One step of the out-of-memory ladder, run in order after the device refused a request until
 /// one serves it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,11 +85,10 @@ pub const PAGES_LADDER: &[OomStep] =
     &[OomStep::ReleaseOversize, OomStep::ReleaseCached, OomStep::Place, OomStep::PlaceLeastMapping];
 
 /// The default's rules that `rules_off` may turn off, each with what it says.
-pub const RULES: [(&str, &str); 4] = [
+pub const RULES: [(&str, &str); 3] = [
     ("map_ahead", "a map call reaches 20 MiB (small range: 2 MiB) into the free space after a block"),
     ("handle_sizing", "a map call's handles grow with the room left on the device (else one per page)"),
     ("give_back_on_refusal", "a refused map gives back free pages elsewhere and maps again"),
-    ("size_run", "near the limit, long runs of one size go to the small range"),
 ];
 
 impl Paging {
@@ -115,17 +103,13 @@ impl Paging {
                 tight_divisor: TIGHT_HANDLE_DIVISOR,
             },
             give_back_on_refusal: true,
-            size_run: Some(SizeRunRule {
-                run_to_small: super::size_run::RUN_TO_SMALL,
-                tight_share: super::size_run::TIGHT_SHARE,
-            }),
         }
     }
 
     /// `pages`, the reference pager: the default's mapping without its handle sizing and
     /// its rules under pressure.
     pub fn pages(page: u64) -> Paging {
-        Paging { handles: Handles::PerPage, give_back_on_refusal: false, size_run: None, ..Paging::pager(page) }
+        Paging { handles: Handles::PerPage, give_back_on_refusal: false, ..Paging::pager(page) }
     }
 
     /// PyTorch's expandable segments: `large` and `small` handles, exactly those a block needs.
@@ -139,7 +123,6 @@ impl Paging {
             "map_ahead" => std::mem::take(&mut self.map_ahead) != [0; 2],
             "handle_sizing" => std::mem::replace(&mut self.handles, Handles::PerPage) != Handles::PerPage,
             "give_back_on_refusal" => std::mem::take(&mut self.give_back_on_refusal),
-            "size_run" => self.size_run.take().is_some(),
             _ => false,
         }
     }

@@ -364,12 +364,12 @@ fn devices(key: &str, value: &str) -> Result<Vec<i32>, ConfigError> {
     Ok(devices)
 }
 
-/// `rules_off`: a list of names from [`policy::RULES`], each once, such as `[size_run,kept_holes]`.
+/// `rules_off`: a list of names from [`policy::RULES`], each once, such as `[map_ahead]`.
 fn rule_names(key: &str, value: &str) -> Result<Vec<&'static str>, ConfigError> {
     let known = policy::RULES.map(|(name, _)| name);
     let bad = |why: String| ConfigError(format!("config key '{key}' {why} (rules: {})", known.join(", ")));
     let list = value.strip_prefix('[').and_then(|v| v.strip_suffix(']'));
-    let list = list.ok_or_else(|| bad(format!("needs a list of rules such as [size_run], got '{value}'")))?;
+    let list = list.ok_or_else(|| bad(format!("needs a list of rules such as [map_ahead], got '{value}'")))?;
     let mut names: Vec<&'static str> = Vec::new();
     for item in list.split(',').filter(|item| !item.is_empty()) {
         let name = known.into_iter().find(|&k| k == item).ok_or_else(|| bad(format!("names no rule '{item}'")))?;
@@ -482,14 +482,14 @@ mod tests {
         // PyTorch's handles: 2 MiB in the small pool, 20 MiB in the large one.
         let handles = parse("expandable").paging.unwrap();
         assert_eq!((handles.page, handles.map_ahead_of(PoolKind::Large)), ([2 * MIB, 20 * MIB], 20 * MIB));
-        assert_eq!((handles.handles, handles.size_run), (Handles::PerPage, None));
+        assert!(handles.handles == Handles::PerPage && !handles.give_back_on_refusal);
         assert_eq!(parse("expandable").oom_ladder, PYTORCH_LADDER);
         let pages = parse("pages").paging.unwrap();
         assert_eq!(
             (pages.page, pages.map_ahead_of(PoolKind::Small), pages.handles),
             ([2 * MIB; 2], 2 * MIB, Handles::PerPage)
         );
-        assert!(!pages.give_back_on_refusal && pages.size_run.is_none());
+        assert!(!pages.give_back_on_refusal);
         assert_eq!(parse("pages").oom_ladder, PAGES_LADDER);
         assert_eq!(parse("pages").rules, Rules::pytorch());
         let pages = Config::parse("page_size_mb:16,expandable_segments:True").unwrap();
@@ -638,15 +638,17 @@ mod tests {
             assert_ne!((c.paging, c.oom_ladder), (Config::default().paging, Config::default().oom_ladder), "{rule}");
             assert_eq!(c.rules_off, [rule]);
         }
-        let c = Config::parse("rules_off:[size_run,give_back_on_refusal]").unwrap();
+        let c = Config::parse("rules_off:[map_ahead,give_back_on_refusal]").unwrap();
         let pager = c.paging.unwrap();
-        assert!(pager.size_run.is_none() && !pager.give_back_on_refusal && pager.handles != Handles::PerPage);
+        assert_eq!((pager.map_ahead_of(PoolKind::Large), pager.give_back_on_refusal), (2 * MIB, false));
+        assert_ne!(pager.handles, Handles::PerPage);
         assert_eq!(Config::parse("rules_off:[]").unwrap(), Config::default());
         for (bad, why) in [
-            ("rules_off:size_run", "needs a list of rules"),
+            ("rules_off:map_ahead", "needs a list of rules"),
             ("rules_off:[sizerun]", "names no rule 'sizerun'"),
-            ("rules_off:[size_run,size_run]", "names 'size_run' twice"),
-            ("strategy:pages,rules_off:[size_run]", "'size_run' is not a rule of strategy 'pages'"),
+            ("rules_off:[size_run]", "names no rule 'size_run'"),
+            ("rules_off:[map_ahead,map_ahead]", "names 'map_ahead' twice"),
+            ("strategy:pages,rules_off:[handle_sizing]", "'handle_sizing' is not a rule of strategy 'pages'"),
             ("strategy:pytorch,rules_off:[map_ahead]", "is not a rule of strategy 'pytorch'"),
         ] {
             let message = err(bad);
