@@ -1,6 +1,6 @@
 """The default strategy's goals, beside `pages`, `expandable` and `pytorch`, row by row.
 
-Usage: python benches/goals_table.py [--sweep] [FILE ...]   (RMM CSVs, PyTorch snapshot pickles)
+Usage: python benches/goals_table.py [--sweep] [--compact] [FILE ...]   (RMM CSVs, PyTorch snapshots)
 
 With `--sweep`, the programs of `benches/default_sweep.py` (the shared traces and snapshots
 with a history, and the synthetic programs) are the rows. Prints one Markdown row per program
@@ -12,7 +12,8 @@ each goal holds, naming the part that does not:
 - utilization: at min capacity, at least `expandable`'s and `pytorch`'s;
 - calls: driver calls at most `expandable`'s.
 The last lines count the rows where each goal holds, and compare the default's mean
-utilization with `pages`' mean (the goal: at least as high).
+utilization with `pages`' mean (the goal: at least as high). `--compact` prints one row per
+program instead.
 """
 
 from __future__ import annotations
@@ -91,6 +92,24 @@ def markdown(rows: Sequence[tuple[str, Mapping[str, ReplayResult]]]) -> str:
     return "\n".join(lines)
 
 
+def compact(rows: Sequence[tuple[str, Mapping[str, ReplayResult]]]) -> str:
+    """One row per program: utilization at min capacity of each strategy, the default's peak and
+    driver calls beside the peers', and the goals that do not hold; then the same last lines as
+    [`markdown`]."""
+    header = ["program", *(f"{s}: utilization" for s in STRATEGIES), "peak: default / leanest peer"]
+    header += ["calls: default / expandable", "goals missed"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(STRATEGIES) + 2) + "---|"]
+    for name, results in rows:
+        default = results["default"]
+        leanest = min(results[s].peak_reserved_bytes for s in PEERS)
+        missed = [f"{goal_name} ({verdict[4:]})" for goal_name, goal in GOALS if (verdict := goal(results)) != "yes"]
+        cells = [name, *(f"{results[s].min_capacity_utilization or 0:.2%}" for s in STRATEGIES)]
+        cells += [f"{_mib(default.peak_reserved_bytes)} / {_mib(leanest)}"]
+        cells += [f"{default.device_calls:,} / {results['expandable'].device_calls:,}", "; ".join(missed) or "none"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines + markdown(rows).splitlines()[-3:])
+
+
 def _of(name: str) -> str:
     """The possessive: pages', pytorch's."""
     return f"{name}'" if name.endswith("s") else f"{name}'s"
@@ -114,6 +133,7 @@ def _name(path: str) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="the programs of benches/default_sweep.py")
+    parser.add_argument("--compact", action="store_true", help="one row per program")
     parser.add_argument("files", nargs="*")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
@@ -124,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             paths += [path for _, path in default_sweep.programs(folder)]
         if not paths:
             parser.error("no programs: give FILEs or --sweep")
-        print(markdown([(_name(p), replays(p)) for p in paths]))
+        rows = [(_name(p), replays(p)) for p in paths]
+        print(compact(rows) if args.compact else markdown(rows))
 
 
 if __name__ == "__main__":

@@ -76,3 +76,13 @@ def test_the_table_has_a_row_per_strategy_the_verdicts_and_the_means():
     assert lines[-1] == (
         "Mean utilization at min capacity: default 49.50%, below pages' 98.00% (expandable 90.00%, pytorch 80.00%)."
     )
+
+
+def test_the_compact_table_has_a_row_per_program_and_names_the_goals_missed():
+    rows = [("a", results(result(100 * MiB, 99 * MiB, 0.99, 50))), ("b", results(result(0, 0, 0.0, 1001)))]
+    lines = goals_table.compact(rows).splitlines()
+    assert len(lines) == 2 + 2 + 3
+    assert lines[2] == "| a | 99.00% | 98.00% | 90.00% | 80.00% | 100.0 MiB / 110.0 MiB | 50 / 100 | none |"
+    missed = "utilization (0.00% < expandable's 90.00%; 0.00% < pytorch's 80.00%); calls (1,001 > 100)"
+    assert lines[3].endswith(f"| 1,001 / 100 | {missed} |")
+    assert lines[-2].startswith("The goals hold: peak on 2 of 2")
