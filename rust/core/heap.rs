@@ -383,13 +383,8 @@ impl Heap {
         self.find_at_most(kind, rounded, owner, self.rules.max_block_for(rounded))
     }
 
-    /// A cached block owned by a stream other than `stream` (nor shared) that fits, with its
-    /// owner: the candidates for reuse after making `stream` wait on the owner.
-    pub fn find_foreign(&self, rounded: u64, stream: u32) -> Option<(u32, u32)> {
-        self.find_foreign_in(self.rules.kind(rounded), rounded, stream)
-    }
-
-    /// [`Heap::find_foreign`] among the free blocks of pool `kind` (see [`Heap::find_in`]).
+    /// A cached block of pool `kind` owned by a stream other than `stream` (nor shared) that
+    /// fits, with its owner: the candidates for reuse after making `stream` wait on the owner.
     pub fn find_foreign_in(&self, kind: PoolKind, rounded: u64, stream: u32) -> Option<(u32, u32)> {
         (0..self.private.len() as u32)
             .filter(|&owner| owner != stream)
@@ -405,7 +400,7 @@ impl Heap {
         self.take_block(head, requested, rounded, stream).0
     }
 
-    /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign`] for
+    /// Allocates free block `id` (found by [`Heap::find`] or [`Heap::find_foreign_in`] for
     /// `rounded`, the rules' size for `requested`) to `stream`, splitting off the unused tail
     /// when the rules say so. Returns the handle and the block's address.
     #[inline(always)]

@@ -1,21 +1,23 @@
 //! The pool: a heap of cached segments over a device, growing on demand and shrinking on
 //! `empty_cache` or under memory pressure.
 //!
-//! One allocation that misses the cache, under the default strategy, calls each of these once:
-//! - [`Pool::alloc_on`] validates the size and asks [`Pool::place`] (`placement.rs`) where the
-//!   request goes: the pool kind, the best-fitting free block, or new memory. The one search.
-//! - The block's pages are not all mapped, so [`Pool::alloc_slow`] takes over. With no frees
-//!   completing and no other stream's blocks to wait for, it keeps that placement and
-//!   [`Pool::take`] allocates it:
-//! - [`Pool::take_block`] maps the missing pages (`Expandable::ensure_mapped`, which maps ahead
-//!   and, if the device refuses, gives back free pages elsewhere and maps again) and splits the
-//!   block (`Heap::take_block`);
-//! - or, for new memory, [`Pool::alloc_new`] reserves a range (paged) or a segment (plain).
+//! One allocation under the default strategy whose best fit lies on pages not mapped yet (the
+//! common cache miss: a paged range always has free address space) calls each of these once,
+//! in this order:
+//! 1. [`Pool::alloc_on`]: validates and rounds the size;
+//! 2. `Pool::place_cached` -> `Pool::place` (`placement.rs`): the pool kind the rules give
+//!    the size and the best fit among the stream's own and shared free blocks (`Heap::find_in`),
+//!    whose pages turn out not all mapped: the only search;
+//! 3. `Pool::alloc_slow` -> `Pool::settle_and_take`: nothing completed since, so the
+//!    placement stands; `Pool::place_new` passes a block through;
+//! 4. `Pool::take` -> `Pool::take_block`: `Expandable::ensure_mapped` maps the missing
+//!    pages (reaching ahead, in handles sized by the room left; a refused map gives back free
+//!    pages elsewhere and maps again), then `Heap::take_block` splits the block.
 //!
-//! Only when the device refuses for good does the strategy's out-of-memory ladder run
-//! ([`OomStep`]s: give back oversize segments, wait for every stream and give back all cached
-//! memory, place again, place where the fewest new pages are needed), each step placing the
-//! request anew through the same [`Pool::place`].
+//! A request for which no free block fits gets `Placement::New` from the same search, and
+//! `Pool::alloc_new` reserves a range (paged) or a segment (plain) in step 4 instead. Only when
+//! the device refuses for good does the strategy's out-of-memory ladder run ([`OomStep`]s), each
+//! step placing the request anew through the same `Pool::place`.
 
 mod capture;
 mod config;
