@@ -51,8 +51,9 @@ def programs(folder: str) -> list[tuple[str, str]]:
     return found
 
 
-def row(path: str) -> tuple[int, str]:
-    """One program's Markdown row and its min capacity in bytes."""
+def row(path: str) -> tuple[int, list[int], str]:
+    """One program's min capacity in bytes, its driver calls (unlimited, 20x min, 80 GiB) and its
+    Markdown row."""
     trace = load(path)
     unlimited = replay(trace, "strategy:default", min_capacity=True)
     least = unlimited.min_capacity_bytes or 0
@@ -62,7 +63,7 @@ def row(path: str) -> tuple[int, str]:
     cells = [f"{least / MiB:,.0f} MiB ({unlimited.min_capacity_utilization or 0:.2%})"]
     cells += [f"{unlimited.peak_reserved_bytes / MiB:,.0f} MiB{' (over)' if over else ''}"]
     cells += [f"{unlimited.device_calls:,}"] + [f"{c:,}" for c in calls]
-    return least, "| " + " | ".join([name, *cells]) + " |"
+    return least, [unlimited.device_calls, *calls], "| " + " | ".join([name, *cells]) + " |"
 
 
 def main() -> None:
@@ -76,12 +77,15 @@ def main() -> None:
         print("| program | min capacity | peak reserved | calls | calls, 20x min | calls, 80 GiB |")
         print("|---|---:|---:|---:|---:|---:|")
         totals: dict[str, int] = {}
+        calls = [0, 0, 0]
         with ThreadPoolExecutor(max_workers=2) as pool:
-            for (group, _), (least, line) in zip(found, pool.map(row, [p for _, p in found]), strict=True):
+            for (group, _), (least, counts, line) in zip(found, pool.map(row, [p for _, p in found]), strict=True):
                 totals[group] = totals.get(group, 0) + least
+                calls = [c + n for c, n in zip(calls, counts, strict=True)]
                 print(line, flush=True)
         print()
         print("Min capacities summed: " + ", ".join(f"{g} {t / MiB:,.0f} MiB" for g, t in totals.items()))
+        print(f"Driver calls summed: unlimited {calls[0]:,}, 20x min {calls[1]:,}, 80 GiB {calls[2]:,}")
 
 
 if __name__ == "__main__":
