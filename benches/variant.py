@@ -60,6 +60,10 @@ def build(rev: str, edits: list[tuple[str, str]], cache: Path) -> Path:
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     for name, value in edits:
         edit(tree, name, value)
+    # git archive dates every file at its commit, older than what an earlier variant compiled
+    # into the shared target folder: cargo would take that build as fresh. Date them now.
+    for path in tree.rglob("*"):
+        os.utime(path)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = dict(os.environ, CARGO_TARGET_DIR=str(cache / "target"))
     print(f"variant: building {tree} (a minute or two)", file=sys.stderr)
