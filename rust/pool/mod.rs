@@ -275,9 +275,7 @@ impl<D: Device> Pool<D> {
                 }
                 OomStep::ReleaseOversize => continue,
                 OomStep::ReleaseCached => {
-                    self.complete_all()?;
-                    self.heap.stats_mut().num_sync_all_streams += 1;
-                    self.release_cached()?;
+                    self.empty_cache()?;
                     self.heap.stats_mut().num_alloc_retries += 1;
                     continue;
                 }
