@@ -342,10 +342,13 @@ impl<D: Device> Pool<D> {
     fn place_new(&mut self, rounded: u64, stream: StreamId, placement: Placement) -> Result<Placement, PoolError> {
         let Placement::New(_) = placement else { return Ok(placement) };
         self.device.query_stream(stream)?;
-        let capped = self.heap.rules().max_block_for(rounded) != u64::MAX;
+        // Uncapped, the search that placed the request already looked at every free block.
+        if self.heap.rules().max_block_for(rounded) == u64::MAX {
+            return Ok(placement);
+        }
         Ok(match self.place(rounded, stream, Search::Uncapped) {
-            found @ Placement::Block { .. } if capped => found,
-            _ => placement,
+            found @ Placement::Block { .. } => found,
+            Placement::New(_) => placement,
         })
     }
 
